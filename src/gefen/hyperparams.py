@@ -1,0 +1,136 @@
+"""Validation of hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``, flags), shared by the
+constructors, ``add_param_group``, ``step`` and checkpoint loading so that every path applies the same rules
+and the same messages.
+
+Each validator returns the normalised value or raises ``error`` (``ConfigError`` by default,
+``CheckpointError`` when a checkpoint is being loaded) with a message that names where the value sits, the
+value, the constraint and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gefen.errors import ConfigError
+
+__all__ = ["check_lr", "lr_value", "check_betas", "check_eps", "check_weight_decay", "check_bool", "check_group"]
+
+
+def _is_real_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def lr_value(lr: float | torch.Tensor) -> float:
+    """The learning rate as a Python float (a 1-element tensor is read once on the host)."""
+    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> float | torch.Tensor:
+    """Validate a learning rate: a finite real ``>= 0``, or a 1-element real tensor holding one.
+
+    Args:
+        lr: the value to check.
+        where: location for the message, e.g. ``"Gefen param_groups[1]['lr']"``.
+        error: exception class to raise.
+
+    Returns:
+        ``lr`` unchanged (a float or a 1-element tensor).
+
+    Raises:
+        error: not a number / not 1 element / negative / NaN / infinite.
+    """
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool:
+            raise error(
+                f"{where} is a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}; it must be a 1-element real "
+                "tensor or a float; pass e.g. lr=torch.tensor(1e-3)."
+            )
+        value = float(lr.detach().reshape(()).item())
+    elif _is_real_number(lr):
+        value = float(lr)  # type: ignore[arg-type]
+    else:
+        raise error(f"{where}={lr!r} must be a float >= 0; pass e.g. lr=1e-3.")
+    if not math.isfinite(value) or value < 0.0:
+        raise error(f"{where}={value} must be a finite number >= 0; pass e.g. lr=1e-3.")
+    return lr  # type: ignore[return-value]
+
+
+def check_betas(betas: object, where: str, error: type[Exception] = ConfigError) -> tuple[float, float]:
+    """Validate Adam betas: two real numbers, each in ``[0, 1)``.
+
+    Returns:
+        ``(beta1, beta2)`` as floats.
+
+    Raises:
+        error: wrong type or length, or a value outside ``[0, 1)``.
+    """
+    if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise error(f"{where}={betas!r} must be a pair (beta1, beta2); pass e.g. betas=(0.9, 0.999).")
+    out = []
+    for i, b in enumerate(betas):
+        if not _is_real_number(b) or not (0.0 <= float(b) < 1.0):  # NaN fails the range test too
+            raise error(f"{where}[{i}]={b!r} must be in [0, 1); pass e.g. betas=(0.9, 0.999).")
+        out.append(float(b))
+    return out[0], out[1]
+
+
+def check_eps(eps: object, where: str, error: type[Exception] = ConfigError) -> float:
+    """Validate eps: a finite real ``> 0`` (algorithm.md §13.8).
+
+    Raises:
+        error: not a number, ``<= 0``, NaN or infinite.
+    """
+    if not _is_real_number(eps) or not math.isfinite(float(eps)) or float(eps) <= 0.0:  # type: ignore[arg-type]
+        raise error(f"{where}={eps!r} must be a finite number > 0; pass e.g. eps=1e-8.")
+    return float(eps)  # type: ignore[arg-type]
+
+
+def check_weight_decay(weight_decay: object, where: str, error: type[Exception] = ConfigError) -> float:
+    """Validate decoupled weight decay: a finite real ``>= 0``.
+
+    Raises:
+        error: not a number, negative, NaN or infinite.
+    """
+    wd = weight_decay
+    if not _is_real_number(wd) or not math.isfinite(float(wd)) or float(wd) < 0.0:  # type: ignore[arg-type]
+        raise error(f"{where}={weight_decay!r} must be a finite number >= 0; pass e.g. weight_decay=0.01.")
+    return float(wd)  # type: ignore[arg-type]
+
+
+def check_bool(value: object, where: str, error: type[Exception] = ConfigError) -> bool:
+    """Validate a flag: must be a real ``bool`` (``1`` or ``"False"`` are refused, never coerced).
+
+    Raises:
+        error: ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise error(f"{where}={value!r} must be a bool (True or False).")
+    return value
+
+
+def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError) -> None:
+    """Validate the Adam-family hyperparameters of one param group (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``factored_v_2d``) that are present in ``group``.
+
+    Args:
+        group: a param-group mapping.
+        where: prefix for messages, e.g. ``"Gefen param_groups[0]"``.
+        error: exception class to raise.
+
+    Raises:
+        error: the first invalid value found.
+    """
+    if "lr" in group:
+        check_lr(group["lr"], f"{where}['lr']", error)
+    if "betas" in group:
+        check_betas(group["betas"], f"{where}['betas']", error)
+    if "eps" in group:
+        check_eps(group["eps"], f"{where}['eps']", error)
+    if "weight_decay" in group:
+        check_weight_decay(group["weight_decay"], f"{where}['weight_decay']", error)
+    if "factored_v_2d" in group:
+        check_bool(group["factored_v_2d"], f"{where}['factored_v_2d']", error)

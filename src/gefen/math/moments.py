@@ -1,0 +1,208 @@
+"""Moment updates of Gefen: second-moment EMAs (block-shared and factored), bias correction, the quantized
+first-moment EMA, and the parameter write with decoupled weight decay.
+
+Symbols (algorithm.md §0): ``g`` gradient, ``m`` first moment, ``v`` second moment, ``t`` the per-parameter step
+after increment, ``β1, β2`` betas, ``ε`` eps, ``η`` lr, ``λ`` weight decay, ``c`` the codebook, ``idx`` uint8
+codes, ``a`` per-block magnitude. A block is ``P`` consecutive elements of the row-major flattened tensor, so a
+tensor of ``N`` elements has the block view ``(B, P)`` with ``B = N / P``.
+
+Every intermediate is fp32 (§13.5). Functions ending in ``_`` update their first argument in place; the others
+return new tensors. Nothing here knows about param groups or optimizer state dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from gefen.math.codebook import decode, encode
+
+__all__ = [
+    "FLOAT32_TINY",
+    "as_blocks",
+    "bias_correction",
+    "block_second_moment_",
+    "factored_second_moment_",
+    "block_step_size",
+    "factored_step_size",
+    "QuantizedMoment",
+    "update_quantized_moment",
+    "apply_update_",
+]
+
+#: Smallest normal fp32 value; floor of the factored normaliser (algorithm.md §6.4 step 4).
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def as_blocks(t: Tensor, period: int) -> Tensor:
+    """The ``(B, P)`` block view of ``t`` flattened in row-major order.
+
+    Args:
+        t: any shape, ``t.numel() % period == 0``.
+        period: block length ``P >= 1``.
+
+    Returns:
+        ``(t.numel() // period, period)`` view (a copy only when ``t`` is not contiguous), same dtype.
+
+    Source: algorithm.md §0 (block view).
+    """
+    return t.reshape(t.numel() // period, period)
+
+
+def bias_correction(beta: float, step: int) -> float:
+    """Adam bias correction ``1 - beta**step`` as a Python float.
+
+    Args:
+        beta: decay rate in ``[0, 1)``.
+        step: number of EMA updates so far, ``>= 1``.
+
+    Source: Kingma & Ba 2015, Algorithm 1; algorithm.md §6.2 step 2.
+    """
+    return 1.0 - beta**step
+
+
+def block_second_moment_(v: Tensor, g_blocks: Tensor, beta2: float) -> Tensor:
+    """EMA of the per-block mean square: ``v_b <- β2·v_b + (1 − β2)·mean_j g_bj²``, in place.
+
+    Args:
+        v: (B,) fp32 second moment, updated in place.
+        g_blocks: (B, P) fp32 gradient blocks (not modified).
+        beta2: decay in ``[0, 1)``.
+
+    Returns:
+        ``v``.
+
+    Source: algorithm.md §6.2 step 1.
+    """
+    return v.mul_(beta2).add_(g_blocks.square().mean(dim=1), alpha=1.0 - beta2)
+
+
+def factored_second_moment_(v_row: Tensor, v_col: Tensor, g: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
+    """Adafactor row/column EMAs of the mean square, in place.
+
+    ``v_row <- β2·v_row + (1 − β2)·mean_c g_rc²`` and ``v_col <- β2·v_col + (1 − β2)·mean_r g_rc²``.
+
+    Args:
+        v_row: (R,) fp32, updated in place.
+        v_col: (C,) fp32, updated in place.
+        g: (R, C) fp32 gradient (not modified; squared into a fresh buffer).
+        beta2: decay in ``[0, 1)``.
+
+    Returns:
+        ``(v_row, v_col)``.
+
+    Source: Shazeer & Stern 2018 (Adafactor); algorithm.md §6.4 steps 1–2.
+    """
+    sq = g.square()
+    v_row.mul_(beta2).add_(sq.mean(dim=1), alpha=1.0 - beta2)
+    v_col.mul_(beta2).add_(sq.mean(dim=0), alpha=1.0 - beta2)
+    return v_row, v_col
+
+
+def block_step_size(v: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
+    """Per-block Adam step size ``s_b = (1/bc1) / (sqrt(v_b)/sqrt(bc2) + ε)``.
+
+    Args:
+        v: (B,) fp32 second moment (already updated this step).
+        bc1: first-moment bias correction ``1 − β1^t`` (> 0).
+        bc2: second-moment bias correction ``1 − β2^t`` (> 0).
+        eps: ε > 0, added to the bias-corrected root exactly as in AdamW.
+
+    Returns:
+        (B, 1) fp32, ready to broadcast against the (B, P) momentum blocks.
+
+    Source: algorithm.md §6.2 step 4.
+    """
+    return ((v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)).unsqueeze(1)
+
+
+def factored_step_size(v_row: Tensor, v_col: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
+    """Per-element step size from the factored second moment.
+
+    ``V̂_rc = v_row[r]·v_col[c] / max(mean(v_row), FLOAT32_TINY)``; ``s_rc = (1/bc1) / (sqrt(V̂_rc / bc2) + ε)``.
+
+    Args:
+        v_row: (R,) fp32 (already updated this step).
+        v_col: (C,) fp32 (already updated this step).
+        bc1: ``1 − β1^t``.
+        bc2: ``1 − β2^t``.
+        eps: ε > 0.
+
+    Returns:
+        (R, C) fp32.
+
+    Source: algorithm.md §6.4 steps 4–5.
+    """
+    normaliser = v_row.mean().clamp_min(FLOAT32_TINY)
+    v_hat = torch.outer(v_row, v_col).div_(normaliser)
+    return v_hat.div_(bc2).sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)
+
+
+class QuantizedMoment(NamedTuple):
+    """Result of one quantized first-moment update.
+
+    Attributes:
+        codes: (B, P) uint8 codebook indices of the new first moment.
+        scale: (B,) fp32 per-block magnitude ``a_b = max_j |m_bj|``.
+        m_hat: (B, P) fp32 dequantized new first moment ``c[codes]·a`` (what the update uses).
+    """
+
+    codes: Tensor
+    scale: Tensor
+    m_hat: Tensor
+
+
+def update_quantized_moment(
+    codes: Tensor, scale: Tensor, g_blocks: Tensor, codebook: Tensor, beta: float
+) -> QuantizedMoment:
+    """Dequantize → EMA → requantize the first moment of one tensor.
+
+    ``m = lerp(c[idx]·a, g, 1 − β)``; ``a <- max_j |m_bj|``; ``idx <- nearest(c, m/a)``; ``m̂ = c[idx]·a``.
+
+    Args:
+        codes: (B, P) uint8 current codes (not modified).
+        scale: (B,) fp32 current magnitudes (not modified).
+        g_blocks: (B, P) fp32 gradient blocks.
+        codebook: (256,) fp32 codebook.
+        beta: EMA decay (β1 for Gefen, the momentum μ for Muon), in ``[0, 1)``.
+
+    Returns:
+        :class:`QuantizedMoment` with new codes, magnitudes and the dequantized momentum.
+
+    Source: algorithm.md §6.2 steps 5–6.
+    """
+    m = torch.lerp(decode(codes, scale, codebook), g_blocks, 1.0 - beta)
+    new_codes, new_scale = encode(m, codebook)
+    return QuantizedMoment(new_codes, new_scale, decode(new_codes, new_scale, codebook))
+
+
+def apply_update_(param: Tensor, direction: Tensor, lr: float, weight_decay: float) -> Tensor:
+    """Write ``p <- p·(1 − η·λ) − η·d`` into ``param`` once, in its own dtype (round to nearest).
+
+    The arithmetic runs in fp32 (fp64 for fp64 parameters); a bf16/fp16 parameter is rounded exactly once.
+
+    Args:
+        param: the parameter, any shape, fp32/bf16/fp16/fp64; updated in place.
+        direction: ``d`` with ``param.numel()`` elements, fp32, any shape (viewed as ``param``'s shape).
+        lr: η >= 0.
+        weight_decay: λ >= 0 (decoupled; multiplied by the raw lr).
+
+    Returns:
+        ``param``.
+
+    Source: Loshchilov & Hutter 2019 (decoupled weight decay); algorithm.md §6.2 steps 3 and 6, §13.5–13.6.
+    """
+    compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+    d = direction.reshape(param.shape).to(compute_dtype)
+    if param.dtype == compute_dtype:
+        if weight_decay != 0.0:
+            param.mul_(1.0 - lr * weight_decay)
+        return param.add_(d, alpha=-lr)
+    work = param.to(compute_dtype)
+    if weight_decay != 0.0:
+        work.mul_(1.0 - lr * weight_decay)
+    work.add_(d, alpha=-lr)
+    return param.copy_(work)

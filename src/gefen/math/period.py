@@ -1,0 +1,215 @@
+"""Block-period search: how many consecutive elements of a flattened tensor share one second moment and one
+first-moment magnitude.
+
+This module owns the period search of algorithm.md §3 in the variant chosen in §13.1: the log-domain
+adjacent-block-difference score of §3.2 (at least 4 blocks, strict local maximum with ``p > 8``, the 1024 cap),
+followed by the memory-safe fallback of §3.4 whenever the score selects 1 for a tensor of at least 8 elements.
+The variant name is :data:`PERIOD_SEARCH_VARIANT`; checkpoints record it, and a restored period is never
+re-predicted (that is the optimizer's business, not this module's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PERIOD_SEARCH_VARIANT",
+    "MIN_BLOCKS",
+    "PERIOD_CAP",
+    "FALLBACK_PERIOD_CAP",
+    "divisors",
+    "largest_divisor_at_most",
+    "period_scores",
+    "search_period",
+    "fallback_period",
+    "find_period",
+]
+
+#: Name of the period-search variant, written into every checkpoint (algorithm.md §13.1).
+PERIOD_SEARCH_VARIANT = "log-adjacent-diff+memory-safe-fallback/v1"
+#: Minimum number of blocks a candidate period must leave (algorithm.md §3.2 step 1, "DMNB").
+MIN_BLOCKS = 4
+#: Periods above this are split to the smallest divisor that exceeds it (algorithm.md §3.2 step 5).
+PERIOD_CAP = 1024
+#: Largest single block the memory-safe fallback creates (algorithm.md §3.4).
+FALLBACK_PERIOD_CAP = 2048
+#: Smallest period the score may select; candidates ``p <= 8`` are skipped (algorithm.md §3.2 step 4).
+_MIN_SELECTED_PERIOD = 8
+#: Offset inside the logarithm, ``ln(x + delta)`` (algorithm.md §3.2).
+_LOG_DELTA = 1e-12
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` excluding ``n`` itself, ascending.
+
+    Args:
+        n: a positive integer.
+
+    Returns:
+        Ascending list, e.g. ``12 -> [1, 2, 3, 4, 6]``, ``13 -> [1]``, ``1 -> []``.
+
+    Raises:
+        ValueError: ``n < 1``.
+
+    Source: algorithm.md §2.1.
+    """
+    if n < 1:
+        raise ValueError(f"divisors(n) needs n >= 1, got n={n}")
+    small: list[int] = []
+    large: list[int] = []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return [d for d in small + large[::-1] if d != n]
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` (``n`` itself allowed) that is ``<= cap``; at least 1.
+
+    Args:
+        n: a positive integer.
+        cap: upper bound, ``>= 1``.
+
+    Returns:
+        An integer ``d`` with ``n % d == 0`` and ``1 <= d <= max(cap, 1)``.
+
+    Source: algorithm.md §2.2 (FX variant).
+    """
+    if n <= cap:
+        return n
+    best = 1
+    for d in divisors(n):
+        if d <= cap:
+            best = d
+    return best
+
+
+def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
+    """Log-domain adjacent-block-difference score ``S(p)`` of every candidate period at once.
+
+    ``l_i = ln(x_i + 1e-12)``; ``m_b`` = mean of ``l`` over block ``b`` of ``p`` consecutive elements;
+    ``S(p) = mean_b |m_{b+1} - m_b|``. All candidates are scored from one float64 prefix sum of the
+    (mean-centred) logs, so the cost is ``O(N + sum_p N/p)`` instead of ``O(N · #candidates)``.
+
+    Args:
+        x: squared gradient, any shape, real floating dtype, ``N = x.numel()``; non-negative.
+        candidates: periods ``p`` dividing ``N`` with ``N / p >= 2``.
+
+    Returns:
+        One float per candidate, in the same order.
+
+    Source: algorithm.md §3.2 step 3.
+    """
+    n = x.numel()
+    logs = torch.log(x.reshape(-1).to(torch.float64) + _LOG_DELTA)
+    logs = logs - logs.mean()  # centring keeps the prefix sum small, so block means stay accurate
+    prefix = torch.zeros(n + 1, dtype=torch.float64, device=x.device)
+    torch.cumsum(logs, dim=0, out=prefix[1:])
+    scores = []
+    for p in candidates:
+        edges = prefix[::p]  # prefix sums at every block boundary: (N/p + 1,)
+        means = (edges[1:] - edges[:-1]) / p
+        scores.append(means.diff().abs().mean())
+    if not scores:
+        return []
+    return torch.stack(scores).tolist()
+
+
+def search_period(x: Tensor, max_period: int | None = None) -> int:
+    """Select a period from the squared gradient by the log-domain adjacent-block score (no fallback).
+
+    Args:
+        x: squared gradient ``g**2``, any shape, real floating dtype; finite and non-negative.
+        max_period: optional extra cap on the candidates (off by default).
+
+    Returns:
+        ``1`` or a divisor ``P >= 9`` of ``N = x.numel()``; a selection above 1024 is split to the smallest
+        divisor of it that exceeds 1024.
+
+    Raises:
+        ValueError: the selected score is not finite (non-finite input).
+
+    Source: algorithm.md §3.2.
+    """
+    n = x.numel()
+    cands = [p for p in divisors(n) if n // p >= MIN_BLOCKS and (max_period is None or p <= max_period)]
+    if len(cands) < 3:  # the first and last candidates can never win
+        return 1
+    scores = period_scores(x, cands)
+    best: tuple[float, int] | None = None
+    for k in range(1, len(cands) - 1):
+        p = cands[k]
+        if p <= _MIN_SELECTED_PERIOD or p == cands[-1]:
+            continue
+        if scores[k] > scores[k - 1] and scores[k] > scores[k + 1]:
+            if best is None or (scores[k], p) > best:
+                best = (scores[k], p)
+    if best is None:
+        return 1
+    if not math.isfinite(best[0]):
+        raise ValueError(f"period search selected a non-finite score {best[0]} (non-finite gradient?)")
+    period = best[1]
+    if period > PERIOD_CAP:
+        period = min(q for q in divisors(period) + [period] if q > PERIOD_CAP)
+    return period
+
+
+def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
+    """Memory-safe period for a tensor whose score selected 1: one block per row or per <=2048 elements.
+
+    Args:
+        numel: number of elements ``N`` of the (local) tensor.
+        shape: the parameter's (global) shape.
+
+    Returns:
+        ``max`` of the last dimension (when the tensor is at least 2-D, that dimension is ``>= 8`` and divides
+        ``N``) and the largest divisor of ``N`` that is ``<= 2048`` (when ``>= 8``); ``1`` when neither
+        qualifies or ``N < 8``.
+
+    Source: algorithm.md §3.4.
+    """
+    if numel < 8:
+        return 1
+    cands = []
+    if len(shape) >= 2 and shape[-1] >= 8 and numel % shape[-1] == 0:
+        cands.append(shape[-1])
+    cap = largest_divisor_at_most(numel, FALLBACK_PERIOD_CAP)
+    if cap >= 8:
+        cands.append(cap)
+    return max(cands) if cands else 1
+
+
+def find_period(grad: Tensor, shape: tuple[int, ...] | None = None) -> int:
+    """Period of one parameter from its first gradient: the §3.2 score, then the §3.4 fallback.
+
+    Args:
+        grad: the parameter's first gradient, any shape, real floating dtype, finite values.
+        shape: the parameter's global shape (defaults to ``grad.shape``); used only by the fallback.
+
+    Returns:
+        ``P`` dividing ``grad.numel()``: ``1`` for ``N <= 1`` or for ``N < 8`` without structure, otherwise
+        the searched period or the fallback. Never 1 for ``N >= 8`` unless no divisor qualifies
+        (``N`` a prime above 2048 on a 1-D tensor).
+
+    Raises:
+        ValueError: ``grad`` is empty or has non-finite values.
+
+    Source: algorithm.md §3.2, §3.4 and §13.1.
+    """
+    n = grad.numel()
+    if n == 0:
+        raise ValueError("find_period needs a non-empty gradient (zero-numel parameters are skipped)")
+    if n == 1:
+        return 1
+    g32 = grad.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(g32).all()):
+        raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
+    period = search_period(g32.square())
+    if period == 1:
+        period = fallback_period(n, tuple(grad.shape if shape is None else shape))
+    return period

@@ -1,0 +1,1 @@
+"""Optimizer classes: thin orchestrators over :mod:`gefen.math`."""

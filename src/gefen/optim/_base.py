@@ -1,0 +1,235 @@
+"""Orchestration shared by every Gefen optimizer: construction and param-group validation, the closure,
+gradient preflight, checkpoint save/load plumbing and byte accounting.
+
+Subclasses supply the math (``_update``), the kind of second moment per parameter and their class name; the
+``torch.optim`` contract (param groups, hooks, ``zero_grad``, LR schedulers, ``state_dict`` layout) is kept
+exactly as torch defines it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.checkpoint import METADATA_KEY, build_metadata, stage_load
+from gefen.errors import ConfigError, StepError
+from gefen.hyperparams import check_group
+from gefen.state import PERIOD, SecondMomentKind, state_bytes, tensor_bytes
+
+__all__ = ["GefenOptimizer", "WorkItem"]
+
+
+@dataclass
+class WorkItem:
+    """One parameter to update in this step.
+
+    Attributes:
+        param: the parameter tensor.
+        grad: its gradient (same shape, validated).
+        name: the parameter's name (from ``(name, tensor)`` pairs) or ``param_groups[g][i]``.
+    """
+
+    param: Tensor
+    grad: Tensor
+    name: str
+
+
+class GefenOptimizer(torch.optim.Optimizer):
+    """Base class of the Gefen optimizers (not instantiated directly).
+
+    Subclasses implement :meth:`_step_group` and :meth:`_second_moment_kind` and may extend
+    :meth:`_check_group`.
+    """
+
+    #: Name written into checkpoints and messages; subclasses override.
+    kind: str = "GefenOptimizer"
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        check_group(defaults, self.kind)
+        if isinstance(params, Tensor):
+            raise TypeError(
+                f"{self.kind} params must be an iterable of tensors, (name, tensor) pairs or dicts, got a single "
+                "Tensor; pass [tensor] or model.parameters()."
+            )
+        self._codebook: Tensor | None = None
+        self._global_step = 0
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ construction / param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (``torch.optim`` semantics), validating it fully before anything is registered.
+
+        Raises:
+            TypeError: ``param_group`` is not a dict, or holds something that is not a tensor.
+            ConfigError: invalid hyperparameters, complex or duplicate parameters, or a parameter already in
+                another group.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{self.kind} param_group must be a dict, got {type(param_group).__name__}.")
+        if "params" not in param_group:
+            raise ConfigError(f"{self.kind} param group {sorted(param_group)} has no 'params' entry.")
+        group = dict(param_group)
+        where = f"{self.kind} param_groups[{len(self.param_groups)}]"
+        check_group({**self.defaults, **group}, where)
+        raw = group["params"]
+        items = [raw] if isinstance(raw, Tensor) else raw
+        if isinstance(items, set):
+            raise TypeError(f"{where}['params'] is a set, whose order changes between runs; pass a list.")
+        items = list(items)
+        if not items:
+            raise ConfigError(f"{where}['params'] is empty; pass at least one parameter.")
+        tensors = []
+        for i, item in enumerate(items):
+            tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+            if isinstance(item, tuple) and (len(item) != 2 or not isinstance(item[0], str)):
+                raise TypeError(f"{where}['params'][{i}] must be a tensor or a (name, tensor) pair.")
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"{where}['params'][{i}] is a {type(tensor).__name__}, not a torch.Tensor.")
+            if tensor.is_complex() or not tensor.is_floating_point():
+                raise ConfigError(
+                    f"{where}['params'][{i}] has dtype {tensor.dtype}; {self.kind} optimizes real floating "
+                    "tensors only (for complex parameters optimize torch.view_as_real(p))."
+                )
+            tensors.append(tensor)
+        if len({id(t) for t in tensors}) != len(tensors):
+            raise ConfigError(f"{where}['params'] lists the same parameter twice; pass each parameter once.")
+        group["params"] = items
+        super().add_param_group(group)
+
+    # ------------------------------------------------------------------ step plumbing
+    def _iter_params(self) -> Iterator[tuple[int, int, Tensor, str]]:
+        for g, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
+
+    def _prepare(self) -> list[list[WorkItem]]:
+        """Validate every group and gradient; returns the work per group. Writes nothing.
+
+        Raises:
+            ConfigError: a group hyperparameter became invalid (e.g. set by hand or by a scheduler).
+            StepError: a gradient is sparse, non-strided, complex, of another shape, dtype class or device.
+        """
+        plan: list[list[WorkItem]] = [[] for _ in self.param_groups]
+        for g, group in enumerate(self.param_groups):
+            check_group(group, f"{self.kind} param_groups[{g}]")
+            self._check_group(group, g)
+        for g, _i, p, name in self._iter_params():
+            grad = p.grad
+            if grad is None or p.numel() == 0:
+                continue
+            where = f"{self.kind}: gradient of {name}"
+            if grad.is_sparse or grad.layout != torch.strided:
+                raise StepError(f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients.")
+            if grad.is_complex() or not grad.is_floating_point():
+                raise StepError(f"{where} has dtype {grad.dtype}; a real floating gradient is required.")
+            if grad.shape != p.shape:
+                raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
+            if grad.device != p.device:
+                raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
+            plan[g].append(WorkItem(p, grad, name))
+        return plan
+
+    def _check_group(self, group: Mapping[str, Any], index: int) -> None:
+        """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
+
+    def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` state dict plus the ``"gefen"`` metadata entry (see :mod:`gefen.checkpoint`).
+
+        Returns:
+            ``{"state": ..., "param_groups": ..., "gefen": {...}}``; loadable with ``weights_only=True``.
+        """
+        sd = super().state_dict()
+        sd[METADATA_KEY] = build_metadata(self.kind, self._codebook, self._global_step)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict`, or refuse it without changing anything.
+
+        Saved dtypes are kept (uint8 codes, fp32 magnitudes and second moments) whatever the parameter dtype,
+        and every tensor is placed on its parameter's device. Load pre-hooks run first, post-hooks only on
+        success.
+
+        Raises:
+            CheckpointError: the dict does not fit this optimizer (see :func:`gefen.checkpoint.stage_load`);
+                the optimizer and the caller's dict are left unchanged.
+        """
+        sd: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        staged = stage_load(
+            sd,
+            optimizer_kind=self.kind,
+            live_groups=self.param_groups,
+            second_moment_kind=self._second_moment_kind,
+            codebook_device=self._codebook_device(),
+        )
+        # Publish: plain assignments only, nothing below can fail half-way.
+        self.state = defaultdict(dict, staged.state)
+        self.param_groups = staged.param_groups
+        self._codebook = staged.codebook
+        self._global_step = staged.global_step
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _codebook_device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def codebook(self) -> Tensor | None:
+        """The learned fp32 (256,) codebook (read-only view), or ``None`` before the first step."""
+        return self._codebook
+
+    @property
+    def global_step(self) -> int:
+        """Number of ``step()`` calls that updated at least one parameter."""
+        return self._global_step
+
+    def state_bytes(self) -> int:
+        """Persistent optimizer state in bytes, measured from the live tensors (codebook included)."""
+        total = sum(state_bytes(s) for s in self.state.values())
+        return total + (tensor_bytes(self._codebook) if self._codebook is not None else 0)
+
+    def state_report(self) -> list[dict[str, Any]]:
+        """Per-parameter report, in param-group order.
+
+        Returns:
+            One dict per parameter: ``name`` (str), ``shape`` (tuple), ``numel`` (int), ``period`` (int or
+            ``None`` before its first update), ``second_moment`` (``"block"``, ``"factored"`` or ``None``),
+            ``state_bytes`` (int, bytes).
+        """
+        rows = []
+        for _g, _i, p, name in self._iter_params():
+            st = self.state.get(p, {})
+            period = int(st[PERIOD]) if PERIOD in st else None
+            kind = None if not st else ("factored" if "second_moment_row" in st else "block")
+            rows.append(
+                {
+                    "name": name,
+                    "shape": tuple(p.shape),
+                    "numel": p.numel(),
+                    "period": period,
+                    "second_moment": kind,
+                    "state_bytes": state_bytes(st),
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _evaluate_closure(closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()

@@ -1,0 +1,206 @@
+"""``Gefen``: the AdamW drop-in with an 8-bit codebook first moment and a block-shared or factored second moment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.errors import StepError
+from gefen.hyperparams import lr_value
+from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook, zero_code_index
+from gefen.math.moments import (
+    apply_update_,
+    as_blocks,
+    bias_correction,
+    block_second_moment_,
+    block_step_size,
+    factored_second_moment_,
+    factored_step_size,
+    update_quantized_moment,
+)
+from gefen.math.period import find_period
+from gefen.optim._base import GefenOptimizer, WorkItem
+from gefen.state import (
+    FIRST_MOMENT_CODES,
+    FIRST_MOMENT_SCALE,
+    SECOND_MOMENT,
+    SECOND_MOMENT_COL,
+    SECOND_MOMENT_ROW,
+    ParamState,
+    SecondMomentKind,
+    init_state,
+)
+
+__all__ = ["Gefen"]
+
+
+class Gefen(GefenOptimizer):
+    r"""AdamW with ~1 byte/param of state: 8-bit codebook first moment, block or factored second moment.
+
+    For a parameter ``p`` of ``N`` elements with block period ``P`` (``B = N / P`` blocks, row-major), at its
+    ``t``-th update with gradient ``g`` (everything in fp32):
+
+    .. math::
+
+        v &\leftarrow \beta_2 v + (1-\beta_2)\,\overline{g^2}
+            \quad\text{(per block; or Adafactor rows/cols for 2-D, default)}\\
+        m &= \operatorname{lerp}(c[\mathrm{idx}]\,a,\; g,\; 1-\beta_1),\quad
+            a_b = \max_{j\in b}|m_j|,\quad \mathrm{idx} = \operatorname{nearest}(c, m/a)\\
+        \hat m &= c[\mathrm{idx}]\,a,\qquad
+        s = \frac{1/(1-\beta_1^t)}{\sqrt{v/(1-\beta_2^t)} + \epsilon}\\
+        p &\leftarrow p\,(1-\eta\lambda) - \eta\, s\, \hat m
+
+    with ``η = lr``, ``(β1, β2) = betas``, ``ε = eps``, ``λ = weight_decay``, ``c`` the 256-entry fp32 codebook,
+    ``idx`` the stored uint8 codes and ``a`` the stored fp32 per-block magnitudes. Differences from AdamW: the
+    update uses the re-quantized first moment ``m̂`` (not the exact EMA), and the second moment is shared per block
+    (or factored). Source: arXiv 2606.13894; algorithm.md §6.2, §6.4 and the decisions of §13.
+
+    The first ``step()`` that sees gradients does two things once, before any update:
+
+    * **period search** per parameter from its first gradient (algorithm.md §3.2 + the §3.4 fallback); the
+      period is frozen and checkpointed. A parameter that first gets a gradient later is searched then, and
+      starts its own bias-correction warm-up (per-parameter ``step`` counters).
+    * **codebook**: one 256-code fp32 codebook per optimizer, fitted by exact optimal 1-D k-means on the
+      4096-bin histogram of block-normalised gradients of every parameter with a gradient, ±1 pinned and an
+      exact 0 code (algorithm.md §4, §13.2, §13.10). Frozen and checkpointed.
+
+    State per parameter (see :mod:`gefen.state`): uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, fp32 second
+    moment ``(B,)`` or ``(R,) + (C,)`` when factored, int64 ``step`` and ``period``: about
+    ``1 + 4/P + 4(R+C)/N`` bytes/param for factored 2-D weights and ``1 + 8/P`` for block tensors.
+
+    Args:
+        params: iterable of tensors, of ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or of
+            param-group dicts. Caller's groups are kept; per-group ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and ``factored_v_2d`` are honoured.
+        lr: η, float ``>= 0`` or a 1-element tensor. Recommended: about 0.6–1× your tuned AdamW lr (see the
+            README's lr rule).
+        betas: ``(β1, β2)``, each in ``[0, 1)``.
+        eps: ε, finite and ``> 0``; added to the bias-corrected root as in AdamW.
+        weight_decay: λ ``>= 0``, decoupled (``p ← p·(1 − ηλ)``).
+        factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters; ``False`` uses one
+            value per block for every tensor.
+
+    Raises:
+        ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters.
+        TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d`` is not a bool.
+
+    Example:
+        >>> import torch, gefen
+        >>> model = torch.nn.Linear(16, 8)
+        >>> opt = gefen.Gefen(model.named_parameters(), lr=1e-3, weight_decay=0.01)
+        >>> loss = model(torch.randn(4, 16)).square().mean()
+        >>> loss.backward()
+        >>> opt.step()
+        >>> opt.state_report()[0]["period"], opt.state_report()[0]["second_moment"]
+        (16, 'factored')
+    """
+
+    kind = "Gefen"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        factored_v_2d: bool = True,
+    ) -> None:
+        if not isinstance(factored_v_2d, bool):
+            raise TypeError(f"Gefen factored_v_2d={factored_v_2d!r} must be a bool (True or False).")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas) if isinstance(betas, list) else betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "factored_v_2d": factored_v_2d,
+        }
+        super().__init__(params, defaults)
+
+    def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
+        return "factored" if group.get("factored_v_2d", True) and param.dim() == 2 else "block"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss; it runs first, with
+                gradients enabled.
+
+        Returns:
+            The closure's return value, or ``None``.
+
+        Raises:
+            StepError: a gradient is sparse, complex, of another shape or device, or (on a parameter's first
+                update) not finite. Nothing has been changed when it is raised.
+            ConfigError: a param group's hyperparameter became invalid.
+        """
+        loss = self._evaluate_closure(closure)
+        plan = self._prepare()
+        fresh = [item for work in plan for item in work if item.param not in self.state]
+        periods = self._search_periods(fresh)
+        if self._codebook is None and fresh:
+            self._codebook = self._learn_codebook(fresh, periods)
+        if not any(plan):
+            return loss
+        zero_code = zero_code_index(self._codebook)
+        for group, work in zip(self.param_groups, plan):
+            for item in work:
+                if item.param not in self.state:
+                    kind = self._second_moment_kind(item.param, group)
+                    self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
+                self._update(item, group)
+        self._global_step += 1
+        return loss
+
+    def _search_periods(self, fresh: list[WorkItem]) -> dict[int, int]:
+        """Period of every parameter without state, from its gradient; refuses non-finite first gradients."""
+        periods = {}
+        for item in fresh:
+            if not bool(torch.isfinite(item.grad).all()):
+                raise StepError(
+                    f"Gefen: the first gradient of {item.name} has NaN or Inf values; the period search and the "
+                    "codebook need finite gradients (use torch.amp.GradScaler, which skips such steps, or skip "
+                    "the step yourself). Nothing was changed."
+                )
+            periods[id(item.param)] = find_period(item.grad)
+        return periods
+
+    def _learn_codebook(self, fresh: list[WorkItem], periods: dict[int, int]) -> Tensor:
+        device = fresh[0].grad.device
+        counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
+        for item in fresh:
+            accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
+        return fit_codebook(counts)
+
+    def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+        state = self.state[item.param]
+        view = ParamState.from_dict(state)
+        beta1, beta2 = group["betas"]
+        lr = lr_value(group["lr"])
+        codebook = self._codebook
+        if codebook.device != item.param.device:
+            codebook = codebook.to(item.param.device)
+        g32 = item.grad.to(torch.float32)
+        g_blocks = as_blocks(g32, view.period)
+        view.step.add_(1)
+        t = int(view.step)
+        bc1, bc2 = bias_correction(beta1, t), bias_correction(beta2, t)
+        if view.kind == "factored":
+            factored_second_moment_(state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL], g32, beta2)
+            step_size = factored_step_size(
+                state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL], bc1, bc2, group["eps"]
+            )
+            step_size = as_blocks(step_size, view.period)
+        else:
+            block_second_moment_(state[SECOND_MOMENT], g_blocks, beta2)
+            step_size = block_step_size(state[SECOND_MOMENT], bc1, bc2, group["eps"])
+        moment = update_quantized_moment(view.codes, view.scale, g_blocks, codebook, beta1)
+        state[FIRST_MOMENT_CODES].copy_(moment.codes)
+        state[FIRST_MOMENT_SCALE].copy_(moment.scale)
+        apply_update_(item.param, moment.m_hat.mul_(step_size), lr, group["weight_decay"])

@@ -1,0 +1,183 @@
+"""Per-parameter optimizer state: the one place where key names, dtypes and shapes are declared.
+
+A parameter's state is a flat dict of plain tensors (so it passes through ``torch.save``, DDP and DCP unchanged):
+
+===========================  ==========  ==================  ===============================================
+key                          dtype       shape               meaning
+===========================  ==========  ==================  ===============================================
+``step``                     int64       ()                  per-parameter update count ``t`` (bias correction)
+``period``                   int64       ()                  block period ``P``, frozen after the first step
+``first_moment_codes``       uint8       (B, P)              codebook indices of the first moment
+``first_moment_scale``       float32     (B,)                per-block magnitude ``a_b >= 0``
+``second_moment``            float32     (B,)                block-shared second moment (block kind)
+``second_moment_row``        float32     (R,)                row mean-square EMA (factored kind, 2-D only)
+``second_moment_col``        float32     (C,)                column mean-square EMA (factored kind, 2-D only)
+===========================  ==========  ==================  ===============================================
+
+``B = numel / P``. Validation of untrusted dicts against this spec lives in :mod:`gefen.checkpoint`; this module
+only declares, builds and measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "STEP",
+    "PERIOD",
+    "FIRST_MOMENT_CODES",
+    "FIRST_MOMENT_SCALE",
+    "SECOND_MOMENT",
+    "SECOND_MOMENT_ROW",
+    "SECOND_MOMENT_COL",
+    "SecondMomentKind",
+    "TensorSpec",
+    "state_spec",
+    "init_state",
+    "ParamState",
+    "tensor_bytes",
+    "state_bytes",
+]
+
+STEP = "step"
+PERIOD = "period"
+FIRST_MOMENT_CODES = "first_moment_codes"
+FIRST_MOMENT_SCALE = "first_moment_scale"
+SECOND_MOMENT = "second_moment"
+SECOND_MOMENT_ROW = "second_moment_row"
+SECOND_MOMENT_COL = "second_moment_col"
+
+#: ``"block"``: one second moment per block; ``"factored"``: Adafactor row/column statistics (2-D only).
+SecondMomentKind = Literal["block", "factored"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Declared dtype and shape of one state tensor.
+
+    Attributes:
+        dtype: the stored dtype.
+        shape: the stored shape.
+        non_negative: values must be finite and ``>= 0`` (magnitudes, second moments).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    non_negative: bool = False
+
+
+def state_spec(param_shape: tuple[int, ...], period: int, kind: SecondMomentKind) -> dict[str, TensorSpec]:
+    """The declared state of a parameter of ``param_shape`` with block period ``period``.
+
+    Args:
+        param_shape: the parameter's shape, ``numel >= 1``.
+        period: ``P`` dividing ``numel``.
+        kind: ``"factored"`` (only for 2-D shapes) or ``"block"``.
+
+    Returns:
+        Ordered mapping key -> :class:`TensorSpec` for every tensor of the state.
+
+    Raises:
+        ValueError: ``period`` does not divide ``numel`` or ``kind`` is factored for a non-2-D shape.
+    """
+    numel = 1
+    for d in param_shape:
+        numel *= d
+    if period < 1 or numel % period != 0:
+        raise ValueError(f"period {period} does not divide numel {numel} of shape {tuple(param_shape)}")
+    n_blocks = numel // period
+    spec = {
+        STEP: TensorSpec(torch.int64, ()),
+        PERIOD: TensorSpec(torch.int64, ()),
+        FIRST_MOMENT_CODES: TensorSpec(torch.uint8, (n_blocks, period)),
+        FIRST_MOMENT_SCALE: TensorSpec(torch.float32, (n_blocks,), non_negative=True),
+    }
+    if kind == "factored":
+        if len(param_shape) != 2:
+            raise ValueError(f"factored second moment needs a 2-D parameter, got shape {tuple(param_shape)}")
+        spec[SECOND_MOMENT_ROW] = TensorSpec(torch.float32, (param_shape[0],), non_negative=True)
+        spec[SECOND_MOMENT_COL] = TensorSpec(torch.float32, (param_shape[1],), non_negative=True)
+    else:
+        spec[SECOND_MOMENT] = TensorSpec(torch.float32, (n_blocks,), non_negative=True)
+    return spec
+
+
+def init_state(param: Tensor, period: int, kind: SecondMomentKind, zero_code: int) -> dict[str, Tensor]:
+    """Fresh state for ``param``: every moment exactly zero, counters 0.
+
+    Args:
+        param: the parameter (its shape and device are used).
+        period: ``P`` dividing ``param.numel()``.
+        kind: second-moment kind.
+        zero_code: index of the exact-zero codebook entry; codes start there so ``c[idx]`` is 0 even before
+            the magnitude is set.
+
+    Returns:
+        New dict of tensors following :func:`state_spec`; counters live on the CPU, moments on ``param.device``.
+    """
+    state: dict[str, Tensor] = {}
+    for key, spec in state_spec(tuple(param.shape), period, kind).items():
+        if key == STEP:
+            state[key] = torch.zeros((), dtype=spec.dtype)
+        elif key == PERIOD:
+            state[key] = torch.tensor(period, dtype=spec.dtype)
+        elif key == FIRST_MOMENT_CODES:
+            state[key] = torch.full(spec.shape, zero_code, dtype=spec.dtype, device=param.device)
+        else:
+            state[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=param.device)
+    return state
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """Typed read-only view of one parameter's state dict (the tensors are shared, not copied).
+
+    Attributes:
+        step: int64 () counter.
+        period: block period ``P``.
+        codes: uint8 (B, P).
+        scale: fp32 (B,).
+        second_moment: fp32 (B,) or ``None`` when factored.
+        second_moment_row: fp32 (R,) or ``None`` when block.
+        second_moment_col: fp32 (C,) or ``None`` when block.
+    """
+
+    step: Tensor
+    period: int
+    codes: Tensor
+    scale: Tensor
+    second_moment: Tensor | None
+    second_moment_row: Tensor | None
+    second_moment_col: Tensor | None
+
+    @property
+    def kind(self) -> SecondMomentKind:
+        """``"factored"`` when row/column statistics are held, else ``"block"``."""
+        return "factored" if self.second_moment_row is not None else "block"
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Tensor]) -> ParamState:
+        """Build the view from a state dict that follows :func:`state_spec`."""
+        return cls(
+            step=state[STEP],
+            period=int(state[PERIOD]),
+            codes=state[FIRST_MOMENT_CODES],
+            scale=state[FIRST_MOMENT_SCALE],
+            second_moment=state.get(SECOND_MOMENT),
+            second_moment_row=state.get(SECOND_MOMENT_ROW),
+            second_moment_col=state.get(SECOND_MOMENT_COL),
+        )
+
+
+def tensor_bytes(t: Tensor) -> int:
+    """Bytes held by ``t``'s elements (``numel × element_size``), in bytes."""
+    return t.numel() * t.element_size()
+
+
+def state_bytes(state: dict[str, object]) -> int:
+    """Persistent bytes of one parameter's state: the sum over its tensors, in bytes."""
+    return sum(tensor_bytes(v) for v in state.values() if isinstance(v, Tensor))

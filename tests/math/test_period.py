@@ -1,0 +1,130 @@
+"""Period search against algorithm.md §3.7 (worked examples of the real code), §3.4 and planted periods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gefen.math.period import (
+    divisors,
+    fallback_period,
+    find_period,
+    largest_divisor_at_most,
+    search_period,
+)
+from tests.reference.period_ref import reference_search_period
+
+
+def _spec_input(rows: int, cols: int, by: str) -> torch.Tensor:
+    """The deterministic test gradient of algorithm.md §3.7 (no RNG)."""
+    i = torch.arange(rows * cols, dtype=torch.int64)
+    r, c = i // cols, i % cols
+    s = 1 + (13 * (r if by == "rows" else c)) % 17
+    sign = torch.where((7 * i) % 3 == 0, -1.0, 1.0)
+    g = s.double() * (1 + ((37 * i) % 11).double() / 10) * sign
+    return g.float().reshape(rows, cols)
+
+
+def test_divisors_small_values():
+    assert divisors(12) == [1, 2, 3, 4, 6]
+    assert divisors(13) == [1]
+    assert divisors(1) == []
+    assert divisors(16) == [1, 2, 4, 8]
+    assert divisors(2**20) == [2**k for k in range(20)]
+
+
+def test_divisors_match_brute_force():
+    for n in range(1, 400):
+        assert divisors(n) == [d for d in range(1, n) if n % d == 0]
+
+
+def test_largest_divisor_at_most_values():
+    assert largest_divisor_at_most(12, 100) == 12
+    assert largest_divisor_at_most(12, 5) == 4
+    assert largest_divisor_at_most(13, 5) == 1
+    assert largest_divisor_at_most(16384, 2048) == 2048
+    assert largest_divisor_at_most(2**20, 2048) == 2048
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "by", "score_only", "final"),
+    [
+        (768, 96, "rows", 96, 96),
+        (768, 96, "cols", 18, 18),
+        (8, 3072, "rows", 1536, 1536),
+        (4, 4096, "rows", 1, 4096),
+    ],
+)
+def test_find_period_matches_spec_table(rows, cols, by, score_only, final):
+    g = _spec_input(rows, cols, by)
+    assert search_period(g.square()) == score_only
+    assert find_period(g) == final
+
+
+@pytest.mark.parametrize("fill", [0.0, 1.0])
+def test_constant_gradient_falls_back_to_2048(fill):
+    g = torch.full((64, 64), fill)
+    assert search_period(g.square()) == 1
+    assert find_period(g) == 2048
+
+
+def test_one_dimensional_spec_examples():
+    g = _spec_input(1, 1000, "rows").reshape(1000)
+    assert find_period(g) == 125
+    assert find_period(torch.arange(1.0, 8.0)) == 1
+    assert find_period(torch.tensor([3.0])) == 1
+
+
+def test_fallback_examples_of_spec():
+    assert fallback_period(4 * 4096, (4, 4096)) == 4096
+    assert fallback_period(2048, (2048,)) == 2048
+    assert fallback_period(12, (3, 4)) == 12
+    assert fallback_period(6400, (100, 64)) == 1600
+    assert fallback_period(7, (7,)) == 1
+    assert fallback_period(2053, (2053,)) == 1  # prime above 2048, no usable shape
+    assert fallback_period(1009, (1009,)) == 1009  # prime below 2048: one block
+
+
+def test_find_period_refuses_non_finite_and_empty():
+    with pytest.raises(ValueError, match="finite"):
+        find_period(torch.tensor([1.0, float("nan"), 2.0, 3.0]))
+    with pytest.raises(ValueError, match="non-empty"):
+        find_period(torch.zeros(0))
+
+
+@pytest.mark.parametrize("period", [16, 32, 48, 96, 128])
+def test_planted_period_is_recovered(period):
+    gen = torch.Generator().manual_seed(period)
+    blocks = 64
+    scales = torch.exp(torch.randn(blocks, 1, generator=gen) * 2)
+    g = torch.randn(blocks, period, generator=gen) * scales
+    assert find_period(g.reshape(-1)) == period
+
+
+def test_cap_splits_large_periods():
+    # 8 x 3072 rows: the score picks 3072, the 1024 cap splits it to 1536 (spec table).
+    assert search_period(_spec_input(8, 3072, "rows").square()) == 1536
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_blocks=st.integers(4, 40),
+    period=st.sampled_from([1, 2, 3, 6, 10, 12, 20, 24, 36, 60]),
+    seed=st.integers(0, 10_000),
+)
+def test_search_matches_direct_reference(n_blocks, period, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.exp(torch.randn(n_blocks, 1, generator=gen))
+    g = (torch.randn(n_blocks, period, generator=gen) * scales).reshape(-1)
+    x = g.square()
+    assert search_period(x) == reference_search_period(x.double().tolist())
+
+
+def test_result_always_divides_numel():
+    gen = torch.Generator().manual_seed(0)
+    for n in [8, 9, 30, 97, 360, 1001, 4096, 5040]:
+        p = find_period(torch.randn(n, generator=gen))
+        assert n % p == 0
+        assert p > 1  # every n >= 8 here has a divisor in [8, 2048] or is <= 2048 itself

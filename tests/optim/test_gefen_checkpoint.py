@@ -1,0 +1,222 @@
+"""Gefen checkpoints: bit-exact resume, saved dtypes survive bf16 params, weights_only loading, and refused
+loads that leave the optimizer and the caller's dict untouched."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import gefen
+from gefen import CheckpointError
+from gefen.checkpoint import METADATA_KEY, SCHEMA_VERSION
+
+
+def _model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.LayerNorm(48),
+        torch.nn.Linear(48, 64),
+    )
+    return model.to(dtype)
+
+
+def _train(model, opt, steps, offset=0):
+    for s in range(steps):
+        gen = torch.Generator().manual_seed(offset + s)
+        tokens = torch.randint(0, 64, (4, 12), generator=gen)
+        logits = model(tokens).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factored", [True, False])
+def test_resume_is_bit_exact(dtype, factored):
+    model_a = _model(dtype)
+    opt_a = gefen.Gefen(model_a.named_parameters(), lr=3e-3, weight_decay=0.1, factored_v_2d=factored)
+    _train(model_a, opt_a, 3)
+    saved_model = _roundtrip(model_a.state_dict())
+    saved_opt = _roundtrip(opt_a.state_dict())
+    _train(model_a, opt_a, 4, offset=3)
+
+    model_b = _model(dtype, seed=123)
+    model_b.load_state_dict(saved_model)
+    opt_b = gefen.Gefen(model_b.named_parameters(), lr=3e-3, weight_decay=0.1, factored_v_2d=factored)
+    opt_b.load_state_dict(saved_opt)
+    _train(model_b, opt_b, 4, offset=3)
+
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    for p_a, p_b in zip(model_a.parameters(), model_b.parameters()):
+        for key, value in opt_a.state[p_a].items():
+            assert torch.equal(value, opt_b.state[p_b][key]), key
+    assert torch.equal(opt_a.codebook, opt_b.codebook) and opt_a.global_step == opt_b.global_step == 7
+
+
+def test_saved_dtypes_survive_load_into_bf16_params():
+    model = _model(torch.bfloat16)
+    opt = gefen.Gefen(model.parameters(), lr=1e-3)
+    _train(model, opt, 2)
+    opt2 = gefen.Gefen(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(_roundtrip(opt.state_dict()))
+    for p in model.parameters():
+        st = opt2.state[p]
+        assert st["first_moment_codes"].dtype == torch.uint8
+        assert st["first_moment_scale"].dtype == torch.float32
+        assert st["step"].dtype == torch.int64 and st["period"].dtype == torch.int64
+        moments = [k for k in st if k.startswith("second_moment")]
+        assert moments and all(st[k].dtype == torch.float32 for k in moments)
+    assert opt2.codebook.dtype == torch.float32
+
+
+def test_state_dict_layout_and_metadata():
+    model = _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3)
+    sd = opt.state_dict()
+    assert sd[METADATA_KEY]["schema_version"] == SCHEMA_VERSION and sd[METADATA_KEY]["codebook"] is None
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    meta = sd[METADATA_KEY]
+    assert meta["optimizer"] == "Gefen" and meta["global_step"] == 1
+    assert meta["codebook"].shape == (256,) and meta["codebook"].dtype == torch.float32
+    assert isinstance(meta["period_search"], str)
+    assert set(sd["state"]) == set(range(len(list(model.parameters()))))
+    assert sd["param_groups"][0]["param_names"][0] == "0.weight"
+
+
+def test_pristine_checkpoint_loads_and_trains_like_fresh():
+    model_a, model_b = _model(), _model()
+    opt_a = gefen.Gefen(model_a.parameters(), lr=1e-3)
+    opt_b = gefen.Gefen(model_b.parameters(), lr=1e-3)
+    opt_b.load_state_dict(_roundtrip(opt_a.state_dict()))
+    _train(model_a, opt_a, 2)
+    _train(model_b, opt_b, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def _inplace(mutate):
+    """Wrap an in-place mutation so it returns the mutated dict."""
+
+    def run(sd):
+        mutate(sd)
+        return sd
+
+    return run
+
+
+def _first(sd):
+    return sd["state"][0]
+
+
+BAD_LOADS = [
+    ("not a dict", lambda sd: [1, 2], "must be a dict"),
+    ("no metadata", lambda sd: {k: v for k, v in sd.items() if k != METADATA_KEY}, "not a Gefen checkpoint"),
+    ("newer schema", _inplace(lambda sd: sd[METADATA_KEY].update(schema_version=SCHEMA_VERSION + 1)), "newer"),
+    ("other optimizer", _inplace(lambda sd: sd[METADATA_KEY].update(optimizer="GefenMuon")), "GefenMuon"),
+    ("unknown period search", _inplace(lambda sd: sd[METADATA_KEY].update(period_search="other")), "period_search"),
+    ("codebook missing", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=None)), "no codebook"),
+    ("codebook short", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=torch.linspace(-1, 1, 255))), "codebook"),
+    ("codebook unsorted", _inplace(lambda sd: sd[METADATA_KEY]["codebook"].__setitem__(5, 0.9)), "codebook"),
+    ("group count", _inplace(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))), "param groups"),
+    ("param count", _inplace(lambda sd: sd["param_groups"][0]["params"].pop()), "parameters"),
+    ("names differ", _inplace(lambda sd: sd["param_groups"][0]["param_names"].__setitem__(0, "x.weight")), "names"),
+    ("codes dtype", _inplace(lambda sd: _first(sd).update(first_moment_codes=_first(sd)["first_moment_codes"].float())),
+     "dtype"),
+    ("scale dtype", _inplace(lambda sd: _first(sd).update(first_moment_scale=_first(sd)["first_moment_scale"].bfloat16())),
+     "dtype"),
+    ("scale negative", _inplace(lambda sd: _first(sd)["first_moment_scale"].__setitem__(0, -1.0)), "negative"),
+    ("second moment nan", _inplace(lambda sd: _first(sd)["second_moment_row"].__setitem__(0, float("nan"))), "non-finite"),
+    ("period does not divide", _inplace(lambda sd: _first(sd).update(period=torch.tensor(7))), "does not divide"),
+    ("step zero", _inplace(lambda sd: _first(sd).update(step=torch.tensor(0))), "step"),
+    ("step float", _inplace(lambda sd: _first(sd).update(step=torch.tensor(2.0))), "int64"),
+    ("missing key", _inplace(lambda sd: _first(sd).pop("second_moment_col")), "keys"),
+    ("unknown key", _inplace(lambda sd: _first(sd).update(extra=torch.zeros(1))), "keys"),
+    ("unknown param index", _inplace(lambda sd: sd["state"].update({99: _first(sd)})), "99"),
+    ("bad eps", _inplace(lambda sd: sd["param_groups"][0].update(eps=0.0)), "eps"),
+    ("bad betas", _inplace(lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.0))), "betas"),
+    ("bad lr", _inplace(lambda sd: sd["param_groups"][0].update(lr=float("nan"))), "lr"),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "pattern"), BAD_LOADS, ids=[c[0] for c in BAD_LOADS])
+def test_refused_loads_change_nothing(case, mutate, pattern):
+    model = _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3)
+    _train(model, opt, 2)
+    good = _roundtrip(opt.state_dict())
+    bad = _roundtrip(opt.state_dict())
+    bad = mutate(bad)
+    frozen = copy.deepcopy(bad)
+
+    control_model = _model()
+    control_model.load_state_dict(model.state_dict())
+    control = gefen.Gefen(control_model.named_parameters(), lr=1e-3)
+    control.load_state_dict(good)
+
+    groups_before = opt.param_groups
+    with pytest.raises(CheckpointError, match=pattern):
+        opt.load_state_dict(bad)
+    assert opt.param_groups is groups_before
+    # the caller's dict is untouched
+    if isinstance(bad, dict):
+        assert bad.keys() == frozen.keys()
+        assert str(bad) == str(frozen)
+    # a later step continues exactly like a control that never saw the bad checkpoint
+    _train(model, opt, 2, offset=10)
+    _train(control_model, control, 2, offset=10)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), control_model.parameters()))
+
+
+def test_load_refuses_other_shapes():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-3)
+    _train(model, opt, 1)
+    sd = _roundtrip(opt.state_dict())
+    other = torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 40), torch.nn.GELU(), torch.nn.LayerNorm(40),
+        torch.nn.Linear(40, 64),
+    )
+    opt2 = gefen.Gefen(other.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match="belongs to another model|expected"):
+        opt2.load_state_dict(sd)
+    assert len(opt2.state) == 0 and opt2.codebook is None
+
+
+def test_load_refuses_block_state_into_other_second_moment_kind():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-3, factored_v_2d=False)
+    _train(model, opt, 1)
+    sd = _roundtrip(opt.state_dict())
+    sd["param_groups"][0]["factored_v_2d"] = True  # metadata says factored, state says block
+    opt2 = gefen.Gefen(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match="factored_v_2d"):
+        opt2.load_state_dict(sd)
+
+
+def test_load_hooks_run_pre_then_post_only_on_success():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-3)
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    calls = []
+    opt.register_load_state_dict_pre_hook(lambda o, s: calls.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("post"))
+    bad = dict(sd)
+    bad[METADATA_KEY] = dict(sd[METADATA_KEY], schema_version=99)
+    with pytest.raises(CheckpointError):
+        opt.load_state_dict(bad)
+    assert calls == ["pre"]
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "pre", "post"]
