@@ -105,7 +105,7 @@ def test_lr_scheduler_drives_group_lr():
 
 def test_tensor_lr_equals_float_lr():
     results = []
-    for lr in (3e-3, torch.tensor(3e-3)):
+    for lr in (float(torch.tensor(3e-3)), torch.tensor(3e-3)):  # same fp32 value
         model = _model()
         opt = gefen.Gefen(model.parameters(), lr=lr)
         for s in range(3):

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from gefen.math.codebook import decode, encode
+from gefen.math.codebook import decode
+from gefen.math.lookup import NearestCodeTable, nearest_code_fast
 
 __all__ = [
     "FLOAT32_TINY",
@@ -27,7 +28,8 @@ __all__ = [
     "block_second_moment_",
     "factored_second_moment_",
     "block_step_size",
-    "factored_step_size",
+    "factored_root_parts",
+    "factored_denominator",
     "QuantizedMoment",
     "update_quantized_moment",
     "apply_update_",
@@ -119,33 +121,49 @@ def block_step_size(v: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
     return ((v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)).unsqueeze(1)
 
 
-def factored_step_size(v_row: Tensor, v_col: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
-    """Per-element step size from the factored second moment.
+def factored_root_parts(v_row: Tensor, v_col: Tensor, bc2: float) -> tuple[Tensor, Tensor]:
+    """Row and column factors of the bias-corrected root of the factored second moment.
 
-    ``V̂_rc = v_row[r]·v_col[c] / max(mean(v_row), FLOAT32_TINY)``; ``s_rc = (1/bc1) / (sqrt(V̂_rc / bc2) + ε)``.
+    ``V̂_rc = v_row[r]·v_col[c] / max(mean(v_row), FLOAT32_TINY)`` and
+    ``sqrt(V̂_rc / bc2) = row[r]·col[c]`` with ``row = sqrt(v_row / (max(mean(v_row), tiny)·bc2))`` and
+    ``col = sqrt(v_col)``. Splitting the root keeps the per-element work to one product (same value as the
+    direct formula up to fp32 rounding).
 
     Args:
         v_row: (R,) fp32 (already updated this step).
         v_col: (C,) fp32 (already updated this step).
-        bc1: ``1 − β1^t``.
-        bc2: ``1 − β2^t``.
+        bc2: ``1 − β2^t`` (> 0).
+
+    Returns:
+        ``(row, col)``: (R,) and (C,) fp32.
+
+    Source: Shazeer & Stern 2018; algorithm.md §6.4 steps 4–5.
+    """
+    normaliser = v_row.mean().clamp_min(FLOAT32_TINY) * bc2
+    return (v_row / normaliser).sqrt_(), v_col.sqrt()
+
+
+def factored_denominator(row: Tensor, col: Tensor, eps: float) -> Tensor:
+    """Per-element Adam denominator ``row[r]·col[c] + ε`` for some rows.
+
+    Args:
+        row: (r,) fp32, the rows wanted (a slice of :func:`factored_root_parts`'s ``row``).
+        col: (C,) fp32.
         eps: ε > 0.
 
     Returns:
-        (R, C) fp32.
+        (r, C) fp32. The step size is ``(1/bc1) / denominator``.
 
-    Source: algorithm.md §6.4 steps 4–5.
+    Source: algorithm.md §6.4 step 5.
     """
-    normaliser = v_row.mean().clamp_min(FLOAT32_TINY)
-    v_hat = torch.outer(v_row, v_col).div_(normaliser)
-    return v_hat.div_(bc2).sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)
+    return torch.outer(row, col).add_(eps)
 
 
 class QuantizedMoment(NamedTuple):
     """Result of one quantized first-moment update.
 
     Attributes:
-        codes: (B, P) uint8 codebook indices of the new first moment.
+        codes: (B, P) int32 codebook indices of the new first moment (store them as uint8).
         scale: (B,) fp32 per-block magnitude ``a_b = max_j |m_bj|``.
         m_hat: (B, P) fp32 dequantized new first moment ``c[codes]·a`` (what the update uses).
     """
@@ -156,17 +174,19 @@ class QuantizedMoment(NamedTuple):
 
 
 def update_quantized_moment(
-    codes: Tensor, scale: Tensor, g_blocks: Tensor, codebook: Tensor, beta: float
+    codes: Tensor, scale: Tensor, g_blocks: Tensor, table: NearestCodeTable, beta: float
 ) -> QuantizedMoment:
-    """Dequantize → EMA → requantize the first moment of one tensor.
+    """Dequantize → EMA → requantize the first moment of some whole blocks.
 
-    ``m = lerp(c[idx]·a, g, 1 − β)``; ``a <- max_j |m_bj|``; ``idx <- nearest(c, m/a)``; ``m̂ = c[idx]·a``.
+    ``m = lerp(c[idx]·a, g, 1 − β)``; ``a <- max_j |m_bj|``; ``idx <- nearest(c, m/a)`` (``u = 0`` for a
+    zero block); ``m̂ = c[idx]·a``. Identical to ``encode``/``decode`` of :mod:`gefen.math.codebook`, with the
+    O(1) nearest-code search of :mod:`gefen.math.lookup`.
 
     Args:
         codes: (B, P) uint8 current codes (not modified).
         scale: (B,) fp32 current magnitudes (not modified).
         g_blocks: (B, P) fp32 gradient blocks.
-        codebook: (256,) fp32 codebook.
+        table: nearest-code table of the (256,) fp32 codebook.
         beta: EMA decay (β1 for Gefen, the momentum μ for Muon), in ``[0, 1)``.
 
     Returns:
@@ -174,21 +194,27 @@ def update_quantized_moment(
 
     Source: algorithm.md §6.2 steps 5–6.
     """
-    m = torch.lerp(decode(codes, scale, codebook), g_blocks, 1.0 - beta)
-    new_codes, new_scale = encode(m, codebook)
-    return QuantizedMoment(new_codes, new_scale, decode(new_codes, new_scale, codebook))
+    m = decode(codes, scale, table.codebook).lerp_(g_blocks, 1.0 - beta)
+    new_scale = torch.linalg.vector_norm(m, float("inf"), dim=1)  # == max |m| exactly
+    u = m.div_(torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))[:, None])
+    index = nearest_code_fast(u, table)
+    m_hat = table.codebook[index].mul_(new_scale[:, None])
+    return QuantizedMoment(index, new_scale, m_hat)
 
 
-def apply_update_(param: Tensor, direction: Tensor, lr: float, weight_decay: float) -> Tensor:
-    """Write ``p <- p·(1 − η·λ) − η·d`` into ``param`` once, in its own dtype (round to nearest).
+def apply_update_(
+    param: Tensor, direction: Tensor, lr: float, weight_decay: float, direction_scale: float = 1.0
+) -> Tensor:
+    """Write ``p <- p·(1 − η·λ) − η·k·d`` into ``param`` once, in its own dtype (round to nearest).
 
     The arithmetic runs in fp32 (fp64 for fp64 parameters); a bf16/fp16 parameter is rounded exactly once.
 
     Args:
-        param: the parameter, any shape, fp32/bf16/fp16/fp64; updated in place.
+        param: the parameter (or a contiguous piece of it), fp32/bf16/fp16/fp64; updated in place.
         direction: ``d`` with ``param.numel()`` elements, fp32, any shape (viewed as ``param``'s shape).
         lr: η >= 0.
         weight_decay: λ >= 0 (decoupled; multiplied by the raw lr).
+        direction_scale: ``k``, a scalar folded into the step (e.g. ``1/bc1``).
 
     Returns:
         ``param``.
@@ -197,12 +223,13 @@ def apply_update_(param: Tensor, direction: Tensor, lr: float, weight_decay: flo
     """
     compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
     d = direction.reshape(param.shape).to(compute_dtype)
+    step = -lr * direction_scale
     if param.dtype == compute_dtype:
         if weight_decay != 0.0:
             param.mul_(1.0 - lr * weight_decay)
-        return param.add_(d, alpha=-lr)
+        return param.add_(d, alpha=step)
     work = param.to(compute_dtype)
     if weight_decay != 0.0:
         work.mul_(1.0 - lr * weight_decay)
-    work.add_(d, alpha=-lr)
+    work.add_(d, alpha=step)
     return param.copy_(work)

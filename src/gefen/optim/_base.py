@@ -57,6 +57,7 @@ class GefenOptimizer(torch.optim.Optimizer):
                 "Tensor; pass [tensor] or model.parameters()."
             )
         self._codebook: Tensor | None = None
+        self._tables: dict[torch.device, Any] = {}  # per-device caches derived from the codebook
         self._global_step = 0
         super().__init__(params, defaults)
 
@@ -178,10 +179,15 @@ class GefenOptimizer(torch.optim.Optimizer):
         # Publish: plain assignments only, nothing below can fail half-way.
         self.state = defaultdict(dict, staged.state)
         self.param_groups = staged.param_groups
-        self._codebook = staged.codebook
+        self._set_codebook(staged.codebook)
         self._global_step = staged.global_step
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _set_codebook(self, codebook: Tensor | None) -> None:
+        """Publish a codebook and drop every cache derived from the previous one (cannot fail)."""
+        self._codebook = codebook
+        self._tables = {}
 
     def _codebook_device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device

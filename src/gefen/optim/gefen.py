@@ -5,36 +5,33 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import math
+
 import torch
 from torch import Tensor
 
 from gefen.errors import StepError
 from gefen.hyperparams import lr_value
 from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook, zero_code_index
+from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
     apply_update_,
-    as_blocks,
     bias_correction,
     block_second_moment_,
     block_step_size,
+    factored_denominator,
+    factored_root_parts,
     factored_second_moment_,
-    factored_step_size,
     update_quantized_moment,
 )
 from gefen.math.period import find_period
 from gefen.optim._base import GefenOptimizer, WorkItem
-from gefen.state import (
-    FIRST_MOMENT_CODES,
-    FIRST_MOMENT_SCALE,
-    SECOND_MOMENT,
-    SECOND_MOMENT_COL,
-    SECOND_MOMENT_ROW,
-    ParamState,
-    SecondMomentKind,
-    init_state,
-)
+from gefen.state import ParamState, SecondMomentKind, init_state
 
 __all__ = ["Gefen"]
+
+#: Elements per chunk of the update (rounded to whole blocks/rows): small enough for the cache.
+_CHUNK_ELEMENTS = 1 << 16
 
 
 class Gefen(GefenOptimizer):
@@ -145,7 +142,7 @@ class Gefen(GefenOptimizer):
         fresh = [item for work in plan for item in work if item.param not in self.state]
         periods = self._search_periods(fresh)
         if self._codebook is None and fresh:
-            self._codebook = self._learn_codebook(fresh, periods)
+            self._set_codebook(self._learn_codebook(fresh, periods))
         if not any(plan):
             return loss
         zero_code = zero_code_index(self._codebook)
@@ -178,29 +175,56 @@ class Gefen(GefenOptimizer):
             accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
         return fit_codebook(counts)
 
+    def _nearest_table(self, device: torch.device) -> NearestCodeTable:
+        """The nearest-code table of the codebook on ``device`` (built once per codebook and device)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = build_nearest_table(self._codebook.to(device))
+            self._tables[device] = table
+        return table
+
     def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+        """Apply §6.2 / §6.4 to one parameter, in chunks of whole blocks (and whole rows when factored).
+
+        Chunking bounds the transient memory to a few bytes per element of one chunk and keeps every pass in
+        cache; per-block reductions never straddle a chunk, so the result does not depend on the chunk size.
+        """
         state = self.state[item.param]
         view = ParamState.from_dict(state)
         beta1, beta2 = group["betas"]
-        lr = lr_value(group["lr"])
-        codebook = self._codebook
-        if codebook.device != item.param.device:
-            codebook = codebook.to(item.param.device)
-        g32 = item.grad.to(torch.float32)
-        g_blocks = as_blocks(g32, view.period)
+        lr, eps, weight_decay = lr_value(group["lr"]), group["eps"], group["weight_decay"]
+        table = self._nearest_table(item.param.device)
+        period, numel = view.period, item.param.numel()
         view.step.add_(1)
         t = int(view.step)
         bc1, bc2 = bias_correction(beta1, t), bias_correction(beta2, t)
+        grad = item.grad.reshape(-1)
         if view.kind == "factored":
-            factored_second_moment_(state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL], g32, beta2)
-            step_size = factored_step_size(
-                state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL], bc1, bc2, group["eps"]
-            )
-            step_size = as_blocks(step_size, view.period)
+            rows, cols = item.param.shape
+            factored_second_moment_(view.second_moment_row, view.second_moment_col,
+                                    grad.to(torch.float32).view(rows, cols), beta2)
+            row_root, col_root = factored_root_parts(view.second_moment_row, view.second_moment_col, bc2)
+            unit = math.lcm(period, cols)
         else:
-            block_second_moment_(state[SECOND_MOMENT], g_blocks, beta2)
-            step_size = block_step_size(state[SECOND_MOMENT], bc1, bc2, group["eps"])
-        moment = update_quantized_moment(view.codes, view.scale, g_blocks, codebook, beta1)
-        state[FIRST_MOMENT_CODES].copy_(moment.codes)
-        state[FIRST_MOMENT_SCALE].copy_(moment.scale)
-        apply_update_(item.param, moment.m_hat.mul_(step_size), lr, group["weight_decay"])
+            unit = period
+        chunk = max(unit, (_CHUNK_ELEMENTS // unit) * unit)
+        work = item.param.view(-1) if item.param.is_contiguous() else item.param.reshape(-1).clone()
+        for start in range(0, numel, chunk):
+            stop = min(start + chunk, numel)
+            blocks = slice(start // period, stop // period)
+            g_blocks = grad[start:stop].to(torch.float32).view(-1, period)
+            if view.kind == "factored":
+                moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
+                denominator = factored_denominator(row_root[start // cols : stop // cols], col_root, eps)
+                direction = moment.m_hat.view(-1).div_(denominator.view(-1))
+                scale = 1.0 / bc1
+            else:
+                v = block_second_moment_(view.second_moment[blocks], g_blocks, beta2)
+                moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
+                direction = moment.m_hat.mul_(block_step_size(v, bc1, bc2, eps))
+                scale = 1.0
+            view.codes[blocks] = moment.codes
+            view.scale[blocks] = moment.scale
+            apply_update_(work[start:stop], direction, lr, weight_decay, scale)
+        if work.data_ptr() != item.param.data_ptr():
+            item.param.copy_(work.view_as(item.param))
