@@ -34,7 +34,7 @@ class NearestCodeTable(NamedTuple):
     Attributes:
         thresholds: (K - 1 + steps,) fp32; ``t_k`` ascending, padded with ``+inf``.
         lut: (4097,) int32; ``lut[b]`` = number of thresholds whose bucket is ``< b``.
-        steps: maximum number of thresholds in one bucket (compares after the table look-up).
+        steps: maximum number of thresholds below 1 in one bucket (compares after the table look-up).
         codebook: (K,) fp32, the codebook the table was built from.
     """
 
@@ -86,7 +86,9 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     counts = torch.bincount(_bucket(thresholds).to(torch.int64), minlength=LOOKUP_BUCKETS)
     lut = torch.zeros(LOOKUP_BUCKETS + 1, dtype=torch.int32)
     lut[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    steps = int(counts.max()) if k > 1 else 0
+    # Thresholds at +1 (trailing copies of the +1 code) are never below an input u <= 1: no compare needed.
+    below_one = torch.bincount(_bucket(thresholds[thresholds < 1.0]).to(torch.int64), minlength=LOOKUP_BUCKETS)
+    steps = int(below_one.max()) if k > 1 else 0
     padded = torch.cat([thresholds, torch.full((steps,), float("inf"))])
     dev = codebook.device
     return NearestCodeTable(padded.to(dev), lut.to(dev), steps, codebook.detach().to(torch.float32))
