@@ -63,8 +63,12 @@ def gpt_shaped_params(size: str, device: torch.device, seed: int = 0) -> list[tu
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     if isinstance(opt, gefen.Gefen):
         return opt.state_bytes()
-    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _sync(device: torch.device) -> None:

@@ -78,8 +78,10 @@ class StagedLoad:
 def _int_counter(value: object, where: str) -> int:
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype in (torch.bool, torch.uint8):
-            raise CheckpointError(f"{where} must be a 0-dim int64 tensor, got dtype {value.dtype} and "
-                                  f"shape {tuple(value.shape)}.")
+            raise CheckpointError(
+                f"{where} must be a 0-dim int64 tensor, got dtype {value.dtype} and "
+                f"shape {tuple(value.shape)}."
+            )
         return int(value.item())
     if isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -104,7 +106,9 @@ def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[
         )
     kind = meta.get("optimizer")
     if kind != optimizer_kind:
-        raise CheckpointError(f"checkpoint was saved by optimizer {kind!r}, cannot load it into {optimizer_kind}.")
+        raise CheckpointError(
+            f"checkpoint was saved by optimizer {kind!r}, cannot load it into {optimizer_kind}."
+        )
     variant = meta.get("period_search")
     if variant != PERIOD_SEARCH_VARIANT:
         raise CheckpointError(
@@ -121,9 +125,7 @@ def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[
     return codebook, global_step
 
 
-def _stage_param_state(
-    saved: object, param: Tensor, kind: SecondMomentKind, where: str
-) -> dict[str, Tensor]:
+def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, where: str) -> dict[str, Tensor]:
     """Validate one saved parameter state and return fresh tensors on the parameter's device."""
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where} must be a dict of tensors, got {type(saved).__name__}.")
@@ -193,8 +195,10 @@ def stage_load(
             parameter counts, names, shapes, dtypes, periods, counters, invalid hyperparameters, quantized
             state without a codebook.
     """
-    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping) or not isinstance(
-        state_dict.get("param_groups"), list
+    if (
+        not isinstance(state_dict, Mapping)
+        or not isinstance(state_dict.get("state"), Mapping)
+        or not isinstance(state_dict.get("param_groups"), list)
     ):
         raise CheckpointError("a state dict must be a dict with 'state' (dict) and 'param_groups' (list).")
     codebook, global_step = _read_metadata(state_dict, optimizer_kind)
@@ -216,10 +220,14 @@ def stage_load(
         check_group(saved, where, CheckpointError)
         saved_names, live_names = saved.get("param_names"), live.get("param_names")
         if saved_names is not None and live_names is not None and list(saved_names) != list(live_names):
-            diff = next(
-                (a, b) for a, b in zip(saved_names, live_names) if a != b
-            ) if len(saved_names) == len(live_names) else (len(saved_names), len(live_names))
-            raise CheckpointError(f"{where} parameter names differ from the live ones (first difference: {diff}).")
+            diff = (
+                next((a, b) for a, b in zip(saved_names, live_names) if a != b)
+                if len(saved_names) == len(live_names)
+                else (len(saved_names), len(live_names))
+            )
+            raise CheckpointError(
+                f"{where} parameter names differ from the live ones (first difference: {diff})."
+            )
         for i, (pid, param) in enumerate(zip(saved["params"], live["params"])):
             if not isinstance(pid, int) or isinstance(pid, bool) or pid in index_to_param:
                 raise CheckpointError(f"{where}['params'][{i}]={pid!r} is not a unique integer index.")
@@ -234,7 +242,9 @@ def stage_load(
     new_state: dict[Tensor, dict[str, Tensor]] = {}
     for pid, saved_state in state_dict["state"].items():
         if pid not in index_to_param:
-            raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
+            raise CheckpointError(
+                f"checkpoint state has an entry for parameter index {pid!r}, which no group lists."
+            )
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
         new_state[param] = _stage_param_state(saved_state, param, second_moment_kind(param, group), where)

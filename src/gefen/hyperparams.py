@@ -17,7 +17,15 @@ import torch
 
 from gefen.errors import ConfigError
 
-__all__ = ["check_lr", "lr_value", "check_betas", "check_eps", "check_weight_decay", "check_bool", "check_group"]
+__all__ = [
+    "check_lr",
+    "lr_value",
+    "check_betas",
+    "check_eps",
+    "check_weight_decay",
+    "check_bool",
+    "check_group",
+]
 
 
 def _is_real_number(value: object) -> bool:

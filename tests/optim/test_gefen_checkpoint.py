@@ -17,7 +17,10 @@ from gefen.checkpoint import METADATA_KEY, SCHEMA_VERSION
 def _model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.LayerNorm(48),
+        torch.nn.Embedding(64, 32),
+        torch.nn.Linear(32, 48),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(48),
         torch.nn.Linear(48, 64),
     )
     return model.to(dtype)
@@ -123,22 +126,62 @@ def _first(sd):
 BAD_LOADS = [
     ("not a dict", lambda sd: [1, 2], "must be a dict"),
     ("no metadata", lambda sd: {k: v for k, v in sd.items() if k != METADATA_KEY}, "not a Gefen checkpoint"),
-    ("newer schema", _inplace(lambda sd: sd[METADATA_KEY].update(schema_version=SCHEMA_VERSION + 1)), "newer"),
+    (
+        "newer schema",
+        _inplace(lambda sd: sd[METADATA_KEY].update(schema_version=SCHEMA_VERSION + 1)),
+        "newer",
+    ),
     ("other optimizer", _inplace(lambda sd: sd[METADATA_KEY].update(optimizer="GefenMuon")), "GefenMuon"),
-    ("unknown period search", _inplace(lambda sd: sd[METADATA_KEY].update(period_search="other")), "period_search"),
+    (
+        "unknown period search",
+        _inplace(lambda sd: sd[METADATA_KEY].update(period_search="other")),
+        "period_search",
+    ),
     ("codebook missing", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=None)), "no codebook"),
-    ("codebook short", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=torch.linspace(-1, 1, 255))), "codebook"),
+    (
+        "codebook short",
+        _inplace(lambda sd: sd[METADATA_KEY].update(codebook=torch.linspace(-1, 1, 255))),
+        "codebook",
+    ),
     ("codebook unsorted", _inplace(lambda sd: sd[METADATA_KEY]["codebook"].__setitem__(5, 0.9)), "codebook"),
-    ("group count", _inplace(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))), "param groups"),
+    (
+        "group count",
+        _inplace(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))),
+        "param groups",
+    ),
     ("param count", _inplace(lambda sd: sd["param_groups"][0]["params"].pop()), "parameters"),
-    ("names differ", _inplace(lambda sd: sd["param_groups"][0]["param_names"].__setitem__(0, "x.weight")), "names"),
-    ("codes dtype", _inplace(lambda sd: _first(sd).update(first_moment_codes=_first(sd)["first_moment_codes"].float())),
-     "dtype"),
-    ("scale dtype", _inplace(lambda sd: _first(sd).update(first_moment_scale=_first(sd)["first_moment_scale"].bfloat16())),
-     "dtype"),
-    ("scale negative", _inplace(lambda sd: _first(sd)["first_moment_scale"].__setitem__(0, -1.0)), "negative"),
-    ("second moment nan", _inplace(lambda sd: _first(sd)["second_moment_row"].__setitem__(0, float("nan"))), "non-finite"),
-    ("period does not divide", _inplace(lambda sd: _first(sd).update(period=torch.tensor(7))), "does not divide"),
+    (
+        "names differ",
+        _inplace(lambda sd: sd["param_groups"][0]["param_names"].__setitem__(0, "x.weight")),
+        "names",
+    ),
+    (
+        "codes dtype",
+        _inplace(lambda sd: _first(sd).update(first_moment_codes=_first(sd)["first_moment_codes"].float())),
+        "dtype",
+    ),
+    (
+        "scale dtype",
+        _inplace(
+            lambda sd: _first(sd).update(first_moment_scale=_first(sd)["first_moment_scale"].bfloat16())
+        ),
+        "dtype",
+    ),
+    (
+        "scale negative",
+        _inplace(lambda sd: _first(sd)["first_moment_scale"].__setitem__(0, -1.0)),
+        "negative",
+    ),
+    (
+        "second moment nan",
+        _inplace(lambda sd: _first(sd)["second_moment_row"].__setitem__(0, float("nan"))),
+        "non-finite",
+    ),
+    (
+        "period does not divide",
+        _inplace(lambda sd: _first(sd).update(period=torch.tensor(7))),
+        "does not divide",
+    ),
     ("step zero", _inplace(lambda sd: _first(sd).update(step=torch.tensor(0))), "step"),
     ("step float", _inplace(lambda sd: _first(sd).update(step=torch.tensor(2.0))), "int64"),
     ("missing key", _inplace(lambda sd: _first(sd).pop("second_moment_col")), "keys"),
@@ -185,7 +228,10 @@ def test_load_refuses_other_shapes():
     _train(model, opt, 1)
     sd = _roundtrip(opt.state_dict())
     other = torch.nn.Sequential(
-        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 40), torch.nn.GELU(), torch.nn.LayerNorm(40),
+        torch.nn.Embedding(64, 32),
+        torch.nn.Linear(32, 40),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(40),
         torch.nn.Linear(40, 64),
     )
     opt2 = gefen.Gefen(other.parameters(), lr=1e-3)

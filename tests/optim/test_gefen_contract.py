@@ -25,9 +25,7 @@ def _loss(model, seed=0):
 
 
 def _snapshot(opt, params):
-    state = {
-        id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params if p in opt.state
-    }
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params if p in opt.state}
     codebook = None if opt.codebook is None else opt.codebook.clone()
     return [p.detach().clone() for p in params], state, codebook, opt.global_step
 

@@ -25,8 +25,9 @@ def test_steps_match_dense_float64_reference(shape, factored, weight_decay):
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(shape))
     start = param.detach().clone()
-    opt = gefen.Gefen([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay,
-                      factored_v_2d=factored)
+    opt = gefen.Gefen(
+        [param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, factored_v_2d=factored
+    )
     grads = _grad_sequence(shape, 4, seed=1)
     ref = None
     ref_param = start.double()
@@ -35,14 +36,24 @@ def test_steps_match_dense_float64_reference(shape, factored, weight_decay):
         opt.step()
         if ref is None:
             period = int(opt.state[param][PERIOD])
-            ref = GefenReference(shape, period, opt.codebook.tolist(), factored and len(shape) == 2,
-                                 betas=(0.9, 0.99), eps=1e-8)
+            ref = GefenReference(
+                shape,
+                period,
+                opt.codebook.tolist(),
+                factored and len(shape) == 2,
+                betas=(0.9, 0.99),
+                eps=1e-8,
+            )
         ref_param = ref.step(ref_param, g, lr=1e-2, weight_decay=weight_decay)
         codes = opt.state[param][FIRST_MOMENT_CODES].reshape(-1).tolist()
         mismatched = sum(a != b for a, b in zip(codes, ref.codes))
         assert mismatched <= 1, f"{mismatched} codes differ from the float64 reference"
-        torch.testing.assert_close(opt.state[param][FIRST_MOMENT_SCALE].double(),
-                                   torch.tensor(ref.scale, dtype=torch.float64), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            opt.state[param][FIRST_MOMENT_SCALE].double(),
+            torch.tensor(ref.scale, dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+        )
         torch.testing.assert_close(param.detach().double(), ref_param, rtol=1e-5, atol=1e-6)
 
 

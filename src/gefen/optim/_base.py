@@ -126,13 +126,17 @@ class GefenOptimizer(torch.optim.Optimizer):
                 continue
             where = f"{self.kind}: gradient of {name}"
             if grad.is_sparse or grad.layout != torch.strided:
-                raise StepError(f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients.")
+                raise StepError(
+                    f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients."
+                )
             if grad.is_complex() or not grad.is_floating_point():
                 raise StepError(f"{where} has dtype {grad.dtype}; a real floating gradient is required.")
             if grad.shape != p.shape:
                 raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
             if grad.device != p.device:
-                raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
+                raise StepError(
+                    f"{where} is on {grad.device}, the parameter on {p.device}; move them together."
+                )
             plan[g].append(WorkItem(p, grad, name))
         return plan
 

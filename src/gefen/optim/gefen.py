@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import math
 
 import torch
 from torch import Tensor
@@ -91,8 +90,9 @@ class Gefen(GefenOptimizer):
         >>> loss = model(torch.randn(4, 16)).square().mean()
         >>> loss.backward()
         >>> opt.step()
-        >>> opt.state_report()[0]["period"], opt.state_report()[0]["second_moment"]
-        (16, 'factored')
+        >>> row = opt.state_report()[0]  # the (8, 16) weight: one block of 128, factored second moment
+        >>> row["name"], row["period"], row["second_moment"], row["state_bytes"]
+        ('weight', 128, 'factored', 244)
     """
 
     kind = "Gefen"
@@ -145,7 +145,7 @@ class Gefen(GefenOptimizer):
             self._set_codebook(self._learn_codebook(fresh, periods))
         if not any(plan):
             return loss
-        zero_code = zero_code_index(self._codebook)
+        zero_code = zero_code_index(self._codebook) if fresh else 0
         for group, work in zip(self.param_groups, plan):
             for item in work:
                 if item.param not in self.state:
@@ -201,8 +201,9 @@ class Gefen(GefenOptimizer):
         grad = item.grad.reshape(-1)
         if view.kind == "factored":
             rows, cols = item.param.shape
-            factored_second_moment_(view.second_moment_row, view.second_moment_col,
-                                    grad.to(torch.float32).view(rows, cols), beta2)
+            factored_second_moment_(
+                view.second_moment_row, view.second_moment_col, grad.to(torch.float32).view(rows, cols), beta2
+            )
             row_root, col_root = factored_root_parts(view.second_moment_row, view.second_moment_col, bc2)
             unit = math.lcm(period, cols)
         else:
@@ -214,13 +215,17 @@ class Gefen(GefenOptimizer):
             blocks = slice(start // period, stop // period)
             g_blocks = grad[start:stop].to(torch.float32).view(-1, period)
             if view.kind == "factored":
-                moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
+                moment = update_quantized_moment(
+                    view.codes[blocks], view.scale[blocks], g_blocks, table, beta1
+                )
                 denominator = factored_denominator(row_root[start // cols : stop // cols], col_root, eps)
                 direction = moment.m_hat.view(-1).div_(denominator.view(-1))
                 scale = 1.0 / bc1
             else:
                 v = block_second_moment_(view.second_moment[blocks], g_blocks, beta2)
-                moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
+                moment = update_quantized_moment(
+                    view.codes[blocks], view.scale[blocks], g_blocks, table, beta1
+                )
                 direction = moment.m_hat.mul_(block_step_size(v, bc1, bc2, eps))
                 scale = 1.0
             view.codes[blocks] = moment.codes
