@@ -100,3 +100,24 @@ def test_close_to_adamw_on_small_regression():
     start = _train(lambda m: torch.optim.SGD(m.parameters(), lr=0.0), steps=1)
     assert adamw < 0.3 * start  # the problem is learnable
     assert ours < 1.15 * adamw, (ours, adamw)
+
+
+@pytest.mark.parametrize("factored", [True, False])
+def test_chunk_size_does_not_change_results(monkeypatch, factored):
+    import gefen.optim.gefen as gefen_module
+
+    results = []
+    for chunk in (1 << 16, 96):  # one chunk per tensor vs many chunks (rounded up to whole blocks/rows)
+        monkeypatch.setattr(gefen_module, "_CHUNK_ELEMENTS", chunk)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in [(48, 40), (30, 64), (1000,), (6, 5, 4)]]
+        opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1, factored_v_2d=factored)
+        for s in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s))
+            opt.step()
+        results.append(([p.detach().clone() for p in params], [dict(opt.state[p]) for p in params]))
+    (params_a, states_a), (params_b, states_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    for sa, sb in zip(states_a, states_b):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
