@@ -10,6 +10,7 @@ value, the constraint and the fix.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,12 +30,27 @@ __all__ = [
 
 
 def _is_real_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real scalar: Python/numpy numbers (not bool), or a 1-element real tensor or numpy array."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return not type(value).__name__.startswith("bool")
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)  # numpy arrays, without numpy
+    if shape is not None and dtype is not None and getattr(value, "size", 0) == 1:
+        return getattr(dtype, "kind", "") in "fiu"
+    return False
 
 
-def lr_value(lr: float | torch.Tensor) -> float:
-    """The learning rate as a Python float (a 1-element tensor is read once on the host)."""
-    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+def _real(value: Any) -> float:
+    return float(value.reshape(()).item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def lr_value(lr: Any) -> float:
+    """A validated scalar hyperparameter (``lr``, a beta, ``eps``...) as a Python float (a tensor is read on the
+    host)."""
+    return _real(lr)
 
 
 def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> float | torch.Tensor:
@@ -51,17 +67,14 @@ def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> fl
     Raises:
         error: not a number / not 1 element / negative / NaN / infinite.
     """
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool:
-            raise error(
-                f"{where} is a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}; it must be a 1-element real "
-                "tensor or a float; pass e.g. lr=torch.tensor(1e-3)."
-            )
-        value = float(lr.detach().reshape(()).item())
-    elif _is_real_number(lr):
-        value = float(lr)  # type: ignore[arg-type]
-    else:
+    if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool):
+        raise error(
+            f"{where} is a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}; it must be a 1-element real "
+            "tensor or a float; pass e.g. lr=torch.tensor(1e-3)."
+        )
+    if not _is_real_number(lr):
         raise error(f"{where}={lr!r} must be a float >= 0; pass e.g. lr=1e-3.")
+    value = _real(lr)
     if not math.isfinite(value) or value < 0.0:
         raise error(f"{where}={value} must be a finite number >= 0; pass e.g. lr=1e-3.")
     return lr  # type: ignore[return-value]
@@ -76,13 +89,17 @@ def check_betas(betas: object, where: str, error: type[Exception] = ConfigError)
     Raises:
         error: wrong type or length, or a value outside ``[0, 1)``.
     """
-    if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+    try:
+        pair = list(betas)  # type: ignore[call-overload]
+    except TypeError:
+        pair = []
+    if isinstance(betas, (str, bytes)) or len(pair) != 2:
         raise error(f"{where}={betas!r} must be a pair (beta1, beta2); pass e.g. betas=(0.9, 0.999).")
     out = []
-    for i, b in enumerate(betas):
-        if not _is_real_number(b) or not (0.0 <= float(b) < 1.0):  # NaN fails the range test too
-            raise error(f"{where}[{i}]={b!r} must be in [0, 1); pass e.g. betas=(0.9, 0.999).")
-        out.append(float(b))
+    for i, b in enumerate(pair):
+        if not _is_real_number(b) or not (0.0 <= _real(b) < 1.0):  # NaN fails the range test too
+            raise error(f"{where}[{i}]={b!r} must be a number in [0, 1); pass e.g. betas=(0.9, 0.999).")
+        out.append(_real(b))
     return out[0], out[1]
 
 
@@ -92,9 +109,9 @@ def check_eps(eps: object, where: str, error: type[Exception] = ConfigError) -> 
     Raises:
         error: not a number, ``<= 0``, NaN or infinite.
     """
-    if not _is_real_number(eps) or not math.isfinite(float(eps)) or float(eps) <= 0.0:  # type: ignore[arg-type]
+    if not _is_real_number(eps) or not math.isfinite(_real(eps)) or _real(eps) <= 0.0:
         raise error(f"{where}={eps!r} must be a finite number > 0; pass e.g. eps=1e-8.")
-    return float(eps)  # type: ignore[arg-type]
+    return _real(eps)
 
 
 def check_weight_decay(weight_decay: object, where: str, error: type[Exception] = ConfigError) -> float:
@@ -104,9 +121,9 @@ def check_weight_decay(weight_decay: object, where: str, error: type[Exception] 
         error: not a number, negative, NaN or infinite.
     """
     wd = weight_decay
-    if not _is_real_number(wd) or not math.isfinite(float(wd)) or float(wd) < 0.0:  # type: ignore[arg-type]
+    if not _is_real_number(wd) or not math.isfinite(_real(wd)) or _real(wd) < 0.0:
         raise error(f"{where}={weight_decay!r} must be a finite number >= 0; pass e.g. weight_decay=0.01.")
-    return float(wd)  # type: ignore[arg-type]
+    return _real(wd)
 
 
 def check_bool(value: object, where: str, error: type[Exception] = ConfigError) -> bool:
@@ -142,3 +159,35 @@ def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = C
         check_weight_decay(group["weight_decay"], f"{where}['weight_decay']", error)
     if "factored_v_2d" in group:
         check_bool(group["factored_v_2d"], f"{where}['factored_v_2d']", error)
+
+
+#: ``torch.optim.AdamW`` keyword arguments and the value that means "off"; Gefen accepts only that value.
+_TORCH_ONLY_OPTIONS: dict[str, object] = {
+    "maximize": False,
+    "amsgrad": False,
+    "capturable": False,
+    "differentiable": False,
+    "foreach": None,
+    "fused": None,
+}
+
+
+def refuse_torch_only_options(kind: str, options: Mapping[str, Any]) -> None:
+    """Refuse ``torch.optim.AdamW`` options a Gefen optimizer does not implement, with a clear message.
+
+    ``foreach`` and ``fused`` may be ``None`` or ``False``; the others only their "off" value, so code written
+    for AdamW that passes the defaults explicitly keeps working.
+
+    Raises:
+        TypeError: an unknown keyword argument.
+        ConfigError: a known AdamW option set to a value Gefen does not implement.
+    """
+    for key, value in options.items():
+        if key not in _TORCH_ONLY_OPTIONS:
+            raise TypeError(f"{kind}.__init__() got an unexpected keyword argument {key!r}")
+        allowed = (None, False) if _TORCH_ONLY_OPTIONS[key] is None else (False,)
+        if not any(value is a for a in allowed):
+            raise ConfigError(
+                f"{kind} does not implement torch.optim.AdamW's {key}={value!r}; remove the argument "
+                f"(Gefen has its own update path)."
+            )

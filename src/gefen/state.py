@@ -37,6 +37,7 @@ __all__ = [
     "SecondMomentKind",
     "TensorSpec",
     "state_spec",
+    "is_factorable",
     "init_state",
     "ParamState",
     "tensor_bytes",
@@ -104,6 +105,16 @@ def state_spec(param_shape: tuple[int, ...], period: int, kind: SecondMomentKind
     else:
         spec[SECOND_MOMENT] = TensorSpec(torch.float32, (n_blocks,), non_negative=True)
     return spec
+
+
+def is_factorable(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` gets the factored second moment when ``factored_v_2d=True``.
+
+    True for 2-D shapes ``(R, C)`` whose row and column statistics cost at most half a byte per parameter,
+    ``4·(R + C) <= R·C / 2``; thin matrices such as ``(4096, 1)`` would otherwise hold 4 bytes/param of
+    statistics, so they keep the block second moment.
+    """
+    return len(shape) == 2 and 8 * (shape[0] + shape[1]) <= shape[0] * shape[1]
 
 
 def init_state(param: Tensor, period: int, kind: SecondMomentKind, zero_code: int) -> dict[str, Tensor]:

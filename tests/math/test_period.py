@@ -83,7 +83,8 @@ def test_fallback_examples_of_spec():
     assert fallback_period(12, (3, 4)) == 12
     assert fallback_period(6400, (100, 64)) == 1600
     assert fallback_period(7, (7,)) == 1
-    assert fallback_period(2053, (2053,)) == 1  # prime above 2048, no usable shape
+    assert fallback_period(2053, (2053,)) == 2053  # prime above 2048: one block (§13.1), not per element
+    assert fallback_period(3 * 100003, (100003, 3)) == 3 * 100003
     assert fallback_period(1009, (1009,)) == 1009  # prime below 2048: one block
 
 

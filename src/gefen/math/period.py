@@ -168,10 +168,10 @@ def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
 
     Returns:
         ``max`` of the last dimension (when the tensor is at least 2-D, that dimension is ``>= 8`` and divides
-        ``N``) and the largest divisor of ``N`` that is ``<= 2048`` (when ``>= 8``); ``1`` when neither
-        qualifies or ``N < 8``.
+        ``N``) and the largest divisor of ``N`` that is ``<= 2048`` (when ``>= 8``); ``N`` itself (one block)
+        when neither qualifies; ``1`` when ``N < 8``.
 
-    Source: algorithm.md §3.4.
+    Source: algorithm.md §3.4, with §13.1 (never per-element storage for ``N >= 8``) deciding the last case.
     """
     if numel < 8:
         return 1
@@ -181,7 +181,9 @@ def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
     cap = largest_divisor_at_most(numel, FALLBACK_PERIOD_CAP)
     if cap >= 8:
         cands.append(cap)
-    return max(cands) if cands else 1
+    # §13.1: no tensor of >= 8 elements is stored per element. When nothing above qualifies (a prime numel
+    # above 2048, or e.g. 3 x prime), the whole tensor is one block rather than 9 bytes/param.
+    return max(cands) if cands else numel
 
 
 def find_period(grad: Tensor, shape: tuple[int, ...] | None = None) -> int:
@@ -192,9 +194,8 @@ def find_period(grad: Tensor, shape: tuple[int, ...] | None = None) -> int:
         shape: the parameter's global shape (defaults to ``grad.shape``); used only by the fallback.
 
     Returns:
-        ``P`` dividing ``grad.numel()``: ``1`` for ``N <= 1`` or for ``N < 8`` without structure, otherwise
-        the searched period or the fallback. Never 1 for ``N >= 8`` unless no divisor qualifies
-        (``N`` a prime above 2048 on a 1-D tensor).
+        ``P`` dividing ``grad.numel()``: ``1`` for ``N < 8``, otherwise the searched period or the fallback,
+        never 1.
 
     Raises:
         ValueError: ``grad`` is empty or has non-finite values.

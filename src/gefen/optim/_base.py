@@ -24,6 +24,11 @@ from gefen.state import PERIOD, SecondMomentKind, state_bytes, tensor_bytes
 __all__ = ["GefenOptimizer", "WorkItem"]
 
 
+def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
+    """State-dict post-hook: add the checkpoint metadata entry (module-level so optimizers stay picklable)."""
+    state_dict[METADATA_KEY] = build_metadata(optimizer.kind, optimizer._codebook, optimizer._global_step)
+
+
 @dataclass
 class WorkItem:
     """One parameter to update in this step.
@@ -60,6 +65,22 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._tables: dict[torch.device, Any] = {}  # per-device caches derived from the codebook
         self._global_step = 0
         super().__init__(params, defaults)
+        self.register_state_dict_post_hook(_add_metadata, prepend=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""
+        state = super().__getstate__()
+        state["_codebook"] = self._codebook
+        state["_global_step"] = self._global_step
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_codebook", None)
+        self.__dict__.setdefault("_global_step", 0)
+        self._tables = {}
+        if _add_metadata not in self._optimizer_state_dict_post_hooks.values():
+            self.register_state_dict_post_hook(_add_metadata, prepend=True)
 
     # ------------------------------------------------------------------ construction / param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -114,7 +135,7 @@ class GefenOptimizer(torch.optim.Optimizer):
 
         Raises:
             ConfigError: a group hyperparameter became invalid (e.g. set by hand or by a scheduler).
-            StepError: a gradient is sparse, non-strided, complex, of another shape, dtype class or device.
+            StepError: a gradient is sparse, non-strided, complex or integer, of another shape or device.
         """
         plan: list[list[WorkItem]] = [[] for _ in self.param_groups]
         for g, group in enumerate(self.param_groups):
@@ -150,12 +171,12 @@ class GefenOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` state dict plus the ``"gefen"`` metadata entry (see :mod:`gefen.checkpoint`).
 
+        The metadata is added by the first state-dict post-hook, so hooks registered by the user see it.
+
         Returns:
             ``{"state": ..., "param_groups": ..., "gefen": {...}}``; loadable with ``weights_only=True``.
         """
-        sd = super().state_dict()
-        sd[METADATA_KEY] = build_metadata(self.kind, self._codebook, self._global_step)
-        return sd
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by :meth:`state_dict`, or refuse it without changing anything.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,8 +11,14 @@ import torch
 from torch import Tensor
 
 from gefen.errors import StepError
-from gefen.hyperparams import lr_value
-from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook, zero_code_index
+from gefen.hyperparams import lr_value, refuse_torch_only_options
+from gefen.math.codebook import (
+    CODEBOOK_SIZE,
+    HISTOGRAM_BINS,
+    accumulate_histogram_,
+    fit_codebook,
+    zero_code_index,
+)
 from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
     apply_update_,
@@ -25,7 +32,7 @@ from gefen.math.moments import (
 )
 from gefen.math.period import find_period
 from gefen.optim._base import GefenOptimizer, WorkItem
-from gefen.state import ParamState, SecondMomentKind, init_state
+from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_factorable
 
 __all__ = ["Gefen"]
 
@@ -76,12 +83,18 @@ class Gefen(GefenOptimizer):
         betas: ``(β1, β2)``, each in ``[0, 1)``.
         eps: ε, finite and ``> 0``; added to the bias-corrected root as in AdamW.
         weight_decay: λ ``>= 0``, decoupled (``p ← p·(1 − ηλ)``).
-        factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters; ``False`` uses one
+        factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters whose statistics cost
+            at most 0.5 byte/param (``8·(R + C) <= R·C``; thin matrices keep the block form); ``False`` uses one
             value per block for every tensor.
+        **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
+            ``amsgrad=False``, ``capturable=False``, ``differentiable=False``, ``foreach``/``fused`` ``None`` or
+            ``False``) so AdamW call sites keep working; anything else is refused.
 
     Raises:
-        ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters.
-        TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d`` is not a bool.
+        ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters, an
+            AdamW option Gefen does not implement (e.g. ``maximize=True``).
+        TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d`` is not a bool; an
+            unknown keyword argument.
 
     Example:
         >>> import torch, gefen
@@ -107,7 +120,9 @@ class Gefen(GefenOptimizer):
         weight_decay: float = 0.0,
         *,
         factored_v_2d: bool = True,
+        **torch_options: Any,
     ) -> None:
+        refuse_torch_only_options("Gefen", torch_options)
         if not isinstance(factored_v_2d, bool):
             raise TypeError(f"Gefen factored_v_2d={factored_v_2d!r} must be a bool (True or False).")
         defaults = {
@@ -120,7 +135,7 @@ class Gefen(GefenOptimizer):
         super().__init__(params, defaults)
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
-        return "factored" if group.get("factored_v_2d", True) and param.dim() == 2 else "block"
+        return "factored" if group.get("factored_v_2d", True) and is_factorable(tuple(param.shape)) else "block"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -135,45 +150,71 @@ class Gefen(GefenOptimizer):
 
         Raises:
             StepError: a gradient is sparse, complex, of another shape or device, or (on a parameter's first
-                update) not finite. Nothing has been changed when it is raised.
+                update) not finite in fp32. Nothing has been changed when it is raised.
             ConfigError: a param group's hyperparameter became invalid.
         """
         loss = self._evaluate_closure(closure)
         plan = self._prepare()
-        fresh = [item for work in plan for item in work if item.param not in self.state]
-        periods = self._search_periods(fresh)
-        if self._codebook is None and fresh:
-            self._set_codebook(self._learn_codebook(fresh, periods))
+        fresh = [item for work in plan for item in work if not self._has_state(item.param)]
+        periods = self._search_periods(fresh)  # also refuses non-finite first gradients
+        starting = [item for item in fresh if id(item.param) in periods]
+        if self._codebook is None and starting:
+            self._set_codebook(self._learn_codebook(starting, periods))
         if not any(plan):
             return loss
-        zero_code = zero_code_index(self._codebook) if fresh else 0
+        zero_code = zero_code_index(self._codebook) if starting else 0
         for group, work in zip(self.param_groups, plan):
             for item in work:
-                if item.param not in self.state:
+                if not self._has_state(item.param):
+                    if id(item.param) not in periods:  # all-zero first gradient: only the decoupled decay
+                        zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
+                        apply_update_(item.param, zero, lr_value(group["lr"]), group["weight_decay"], 0.0)
+                        continue
                     kind = self._second_moment_kind(item.param, group)
                     self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
                 self._update(item, group)
         self._global_step += 1
         return loss
 
+    def _has_state(self, param: Tensor) -> bool:
+        # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
+        return STEP in self.state.get(param, ())
+
     def _search_periods(self, fresh: list[WorkItem]) -> dict[int, int]:
-        """Period of every parameter without state, from its gradient; refuses non-finite first gradients."""
+        """Period of every parameter starting now, from its first non-zero gradient.
+
+        A parameter whose gradient is exactly zero everywhere carries no information for the period search or
+        the codebook: it gets no state yet (its first moment and second moment would both stay 0) and starts at
+        its first non-zero gradient. Refuses gradients that are not finite in fp32 before anything changes.
+        """
         periods = {}
         for item in fresh:
-            if not bool(torch.isfinite(item.grad).all()):
+            g32 = item.grad.to(torch.float32)
+            if not bool(torch.isfinite(g32).all()):
                 raise StepError(
-                    f"Gefen: the first gradient of {item.name} has NaN or Inf values; the period search and the "
-                    "codebook need finite gradients (use torch.amp.GradScaler, which skips such steps, or skip "
-                    "the step yourself). Nothing was changed."
+                    f"Gefen: the first gradient of {item.name} has NaN or Inf values (in float32); the period "
+                    "search and the codebook need finite gradients (use torch.amp.GradScaler, which skips such "
+                    "steps, or skip the step yourself). Nothing was changed."
                 )
-            periods[id(item.param)] = find_period(item.grad)
+            if bool(g32.any()):
+                periods[id(item.param)] = find_period(g32)
         return periods
 
-    def _learn_codebook(self, fresh: list[WorkItem], periods: dict[int, int]) -> Tensor:
-        device = fresh[0].grad.device
+    def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> Tensor:
+        device = starting[0].grad.device
         counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
-        for item in fresh:
+        for item in starting:
             accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
+        active = int((counts > 0).sum())
+        if active < CODEBOOK_SIZE - 1:
+            n_elements = sum(item.param.numel() for item in starting)
+            warnings.warn(
+                f"Gefen learned its codebook from the first step's gradients of only {len(starting)} parameter(s) "
+                f"({n_elements} elements), which fill {active} of the 4096 histogram bins: the 8-bit first moment "
+                f"will have only about {active + 2} distinct levels for the whole run. Make the first step() see "
+                "representative gradients of all the parameters you train (the codebook is frozen after it).",
+                stacklevel=5,  # _learn_codebook <- step <- no_grad <- torch step hooks <- caller
+            )
         return fit_codebook(counts)
 
     def _nearest_table(self, device: torch.device) -> NearestCodeTable:
@@ -192,8 +233,8 @@ class Gefen(GefenOptimizer):
         """
         state = self.state[item.param]
         view = ParamState.from_dict(state)
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = lr_value(group["lr"]), group["eps"], group["weight_decay"]
+        beta1, beta2 = (lr_value(b) for b in group["betas"])
+        lr, eps, weight_decay = lr_value(group["lr"]), lr_value(group["eps"]), lr_value(group["weight_decay"])
         table = self._nearest_table(item.param.device)
         period, numel = view.period, item.param.numel()
         view.step.add_(1)
