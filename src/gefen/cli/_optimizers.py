@@ -1,0 +1,191 @@
+"""The optimizers ``gefen demo`` can run: name → factory, recommended lr, description.
+
+This module owns how each optimizer is built for the demo (param groups, weight decay, betas, the
+implementation flag) and how its state is measured in bytes. Training lives in ``demo.py``.
+
+Shared policy, identical for every entry so the comparison is about the update rule only:
+
+* **Weight decay** 0.1 (decoupled, ``p ← p·(1 − lr·0.1)``) on every parameter with ``ndim >= 2`` except
+  embedding tables; 0 on the embedding, RMSNorm weights and any bias. Two param groups, built by
+  :func:`param_groups`, passed as ``(name, tensor)`` pairs so optimizers that use names (Gefen) get them.
+* **Betas** (0.9, 0.95) for the Adam-family entries (AdamW, Gefen), the usual choice for short LM runs.
+  Adafactor (torch's implementation) has no first moment; it keeps its defaults.
+* **Recommended lr**: the best eval loss of an lr sweep on the default demo run (``docs/lr_sweep.md``);
+  every peer is tuned, none is a strawman. ``--lr NAME=VALUE`` overrides it.
+
+Entries:
+
+* ``adamw``: ``torch.optim.AdamW(fused=True)`` when the fused CPU kernel works in this torch build, else
+  ``foreach=False`` (the single-tensor for-loop). Which one ran is in the description, never silent.
+* ``adamw-foreach``: ``torch.optim.AdamW(foreach=True)`` (multi-tensor), same math.
+* ``adafactor``: ``torch.optim.Adafactor`` (factored second moment, no momentum). Its ``lr`` is the cap
+  on the *relative* step size ``rho_t = min(lr, 1/sqrt(t))``, scaled by each parameter's RMS, so its
+  numbers are not comparable with AdamW's. Its decoupled decay is ``p ← p·(1 − lr·wd)`` with that larger
+  lr, so the decayed group gets ``wd = 0.1 · lr_adamw / lr`` (``lr_adamw`` = AdamW's recommended lr): the
+  per-step shrink then equals AdamW's, whatever Adafactor lr is chosen.
+* ``gefen``: ``gefen.Gefen`` (imported when built, so the demo works for the torch peers without it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BETAS", "OPTIMIZERS", "WEIGHT_DECAY", "OptimizerSpec", "describe", "param_groups", "state_bytes"]
+
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+_ADAMW_LR = 1e-3
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One demo entry.
+
+    Attributes:
+        name: the ``--optimizers`` name.
+        factory: ``factory(model, lr)`` returns a ready ``torch.optim.Optimizer`` over ``model``'s parameters,
+            with :data:`WEIGHT_DECAY` applied by :func:`param_groups`.
+        lr: recommended peak learning rate for the default demo run (see ``docs/lr_sweep.md``).
+        description: one line: class, implementation flags, lr convention.
+    """
+
+    name: str
+    factory: Callable[[nn.Module, float], torch.optim.Optimizer]
+    lr: float
+    description: str
+
+
+def param_groups(model: nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[dict[str, Any]]:
+    """Split ``model``'s trainable parameters into a decayed and a non-decayed param group.
+
+    Args:
+        model: any module; embedding tables are found as ``nn.Embedding`` modules.
+        weight_decay: decoupled weight-decay coefficient of the decayed group (dimensionless, >= 0).
+
+    Returns:
+        ``[{"params": [(name, p), ...], "weight_decay": weight_decay},
+        {"params": [(name, p), ...], "weight_decay": 0.0}]``; the first holds every parameter with
+        ``ndim >= 2`` that is not an embedding table, the second everything else. Empty groups are omitted.
+    """
+    embeddings = {
+        f"{module_name}.{param_name}" if module_name else param_name
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        for param_name, _ in module.named_parameters(recurse=False)
+    }
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 and name not in embeddings else no_decay).append((name, param))
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+@functools.cache
+def _fused_adamw_on_cpu() -> bool:
+    """Whether this torch build runs ``AdamW(fused=True)`` on CPU (probed once on a 1-element tensor)."""
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.ones(1)
+    try:
+        torch.optim.AdamW([probe], lr=1e-3, fused=True).step()
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if _fused_adamw_on_cpu():
+        return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, fused=True)
+    return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, foreach=False)
+
+
+def _adamw_foreach(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, foreach=True)
+
+
+def _adafactor_weight_decay(lr: float) -> float:
+    return WEIGHT_DECAY * _ADAMW_LR / lr
+
+
+def _adafactor(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    # torch's Adafactor decays p <- p * (1 - lr * wd) with its own, much larger lr; scale wd so the
+    # per-step shrink equals AdamW's at AdamW's recommended lr (see the module docstring).
+    weight_decay = _adafactor_weight_decay(lr)
+    return torch.optim.Adafactor(param_groups(model, weight_decay), lr=lr)
+
+
+def _gefen(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import gefen
+
+    optimizer_class = getattr(gefen, "Gefen", None)
+    if optimizer_class is None:
+        raise RuntimeError(
+            "gefen.Gefen is not available in this installation of gefen; run the demo without 'gefen' in "
+            "--optimizers, or install a build that provides it."
+        )
+    return optimizer_class(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def _adamw_description() -> str:
+    flavour = "fused=True" if _fused_adamw_on_cpu() else "foreach=False (fused CPU kernel unavailable)"
+    return f"torch.optim.AdamW({flavour}), betas={BETAS}"
+
+
+def _registry() -> dict[str, OptimizerSpec]:
+    entries = [
+        OptimizerSpec("adamw", _adamw, _ADAMW_LR, "torch.optim.AdamW, fused=True on CPU when supported"),
+        OptimizerSpec(
+            "adamw-foreach", _adamw_foreach, _ADAMW_LR, f"torch.optim.AdamW(foreach=True), betas={BETAS}"
+        ),
+        OptimizerSpec("adafactor", _adafactor, 5e-2, "torch.optim.Adafactor; lr caps the relative step size"),
+        OptimizerSpec("gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state), betas={BETAS}"),
+    ]
+    return {entry.name: entry for entry in entries}
+
+
+#: Every optimizer the demo knows, by ``--optimizers`` name.
+OPTIMIZERS: dict[str, OptimizerSpec] = _registry()
+
+
+def describe(name: str, lr: float) -> str:
+    """Return the one-line description of ``name`` run at peak ``lr``, with run-time facts (fused or not,
+    Adafactor's scaled weight decay)."""
+    if name == "adamw":
+        return _adamw_description()
+    if name == "adafactor":
+        weight_decay = _adafactor_weight_decay(lr)
+        return f"{OPTIMIZERS[name].description}; weight_decay={weight_decay:.3g} (= 0.1 x {_ADAMW_LR:g} / lr)"
+    return OPTIMIZERS[name].description
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state.
+
+    Args:
+        optimizer: any optimizer after at least one step (state is created lazily).
+
+    Returns:
+        ``optimizer.state_bytes()`` when the optimizer defines it (Gefen: its own accounting, the single
+        source of truth for its packed state); otherwise ``sum(t.numel() * t.element_size())`` over every
+        tensor in ``optimizer.state`` values, including scalar ``step`` tensors. In bytes.
+    """
+    own = getattr(optimizer, "state_bytes", None)
+    if callable(own):
+        return int(own())
+    total = 0
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total

@@ -1,0 +1,225 @@
+"""Tests of ``gefen demo``: runs the command in-process (training in spawned children) on a tiny model."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from gefen.cli._data import BatchSampler, eval_windows, load_corpus
+from gefen.cli._model import build_model
+from gefen.cli._optimizers import param_groups, state_bytes
+from gefen.cli.demo import _lr_multiplier
+from gefen.cli.main import main
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_LN_256 = math.log(256)
+_WORDS = ("def", "return", "self", "value", "if", "else", "for", "in", "range", "print", "import", "class",
+          "None", "True", "x", "y", "total", "index", "name", "data", "(", ")", ":", "=", "+", ",")
+_FAST = ["--model-size", "tiny", "--steps", "30", "--batch-size", "8", "--seq-len", "32",
+         "--eval-every", "10", "--threads", "1", "--seed", "3"]
+
+
+def _write_text_dir(root: Path, n_files: int = 12, lines_per_file: int = 60) -> Path:
+    """Python-looking text, deterministic: ``n_files`` files of ``lines_per_file`` lines each (~2 KB)."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        lines = [" " * rng.choice((0, 4, 8)) + " ".join(rng.choices(_WORDS, k=rng.randint(3, 8)))
+                 for _ in range(lines_per_file)]
+        (root / f"module_{i:02d}.py").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_text_dir(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def torch_peers_run(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> tuple[int, dict, Path]:
+    out = tmp_path_factory.mktemp("out")
+    json_path, plot_path = out / "demo.json", out / "demo.png"
+    code = main(["demo", "--optimizers", "adamw,adafactor", "--data", str(text_dir), *_FAST,
+                 "--json", str(json_path), "--plot", str(plot_path)])
+    return code, json.loads(json_path.read_text()), plot_path
+
+
+@pytest.mark.slow
+def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[int, dict, Path]) -> None:
+    code, report, _ = torch_peers_run
+    assert code == 0
+    assert set(report) == {"steps", "model_params", "data", "optimizers"}
+    assert report["steps"] == 30
+    assert report["model_params"] == sum(p.numel() for p in build_model("tiny", 32, 0).parameters())
+    data = report["data"]
+    assert data["n_files"] == 12 and data["n_eval_files"] == 1  # file index 9 of 12 is held out
+    assert data["train_bytes"] > 0 and data["eval_bytes"] > 0 and isinstance(data["held_out_rule"], str)
+    assert list(report["optimizers"]) == ["adamw", "adafactor"]
+    expected = {"lr": float, "eval_loss": float, "train_loss": float, "state_bytes_per_param": float,
+                "opt_step_time_s": float, "train_step_time_s": float, "peak_rss_bytes": int,
+                "eval_curve": list, "train_curve": list}
+    for name, result in report["optimizers"].items():
+        assert set(result) == set(expected), name
+        for key, kind in expected.items():
+            assert isinstance(result[key], kind), (name, key)
+        assert math.isfinite(result["eval_loss"]) and math.isfinite(result["train_loss"])
+        assert 0 < result["opt_step_time_s"] <= result["train_step_time_s"]
+        assert result["peak_rss_bytes"] > 50 * 2**20
+        assert [step for step, _ in result["eval_curve"]] == [0, 10, 20, 30]
+        assert [step for step, _ in result["train_curve"]] == list(range(1, 31))
+        initial = result["eval_curve"][0][1]
+        assert abs(initial - _LN_256) < 0.3, "an untrained byte model predicts ~uniformly"
+        assert result["eval_loss"] < initial - 1.0, f"{name} did not learn: {result['eval_curve']}"
+        assert result["train_loss"] < result["train_curve"][0][1] - 1.0
+    adamw = report["optimizers"]["adamw"]
+    # Two fp32 moments per element, plus one 4-byte step counter per parameter tensor.
+    assert 8.0 <= adamw["state_bytes_per_param"] < 8.01
+    assert report["optimizers"]["adafactor"]["state_bytes_per_param"] < 1.0  # factored, no momentum
+
+
+@pytest.mark.slow
+def test_demo_plot_is_a_png(torch_peers_run: tuple[int, dict, Path]) -> None:
+    _, _, plot_path = torch_peers_run
+    blob = plot_path.read_bytes()
+    assert blob.startswith(_PNG_SIGNATURE) and len(blob) > 10_000
+
+
+@pytest.mark.slow
+def test_demo_same_seed_gives_identical_losses(torch_peers_run: tuple[int, dict, Path], text_dir: Path,
+                                               tmp_path: Path) -> None:
+    _, first, _ = torch_peers_run
+    json_path = tmp_path / "again.json"
+    argv = ["demo", "--optimizers", "adamw", "--data", str(text_dir), *_FAST, "--json", str(json_path)]
+    assert main(argv) == 0
+    again = json.loads(json_path.read_text())["optimizers"]["adamw"]
+    assert again["train_curve"] == first["optimizers"]["adamw"]["train_curve"]
+    assert again["eval_curve"] == first["optimizers"]["adamw"]["eval_curve"]
+
+
+def _has_gefen() -> bool:
+    try:
+        return hasattr(importlib.import_module("gefen"), "Gefen")
+    except ImportError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_gefen(), reason="gefen.Gefen is not importable in this tree yet")
+def test_demo_runs_gefen(text_dir: Path, tmp_path: Path) -> None:
+    json_path = tmp_path / "gefen.json"
+    argv = ["demo", "--optimizers", "gefen", "--data", str(text_dir), *_FAST, "--json", str(json_path)]
+    assert main(argv) == 0
+    result = json.loads(json_path.read_text())["optimizers"]["gefen"]
+    assert math.isfinite(result["eval_loss"])
+    assert result["eval_loss"] < result["eval_curve"][0][1] - 1.0
+    assert 0 < result["state_bytes_per_param"] < 8.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizers", "adamw,sgd"], r"unknown optimizer.*'sgd'.*valid names: adamw, adamw-foreach"),
+        (["--optimizers", "adamw,"], r"empty name"),
+        (["--optimizers", "adamw,adamw"], r"more than once"),
+        (["--lr", "sgd=1e-3"], r"unknown optimizer 'sgd'"),
+        (["--lr", "adafactor=1e-3"], r"'adafactor' is not in --optimizers"),
+        (["--lr", "adamw"], r"malformed; use NAME=VALUE"),
+        (["--lr", "adamw=fast"], r"'fast' is not a number"),
+        (["--lr", "adamw=-1"], r"finite and > 0"),
+        (["--steps", "0"], r"--steps=0 must be >= 1"),
+        (["--json", "/nonexistent-folder/x.json"], r"does not exist; create it first"),
+    ],
+)
+def test_demo_rejects_bad_arguments(argv: list[str], message: str, text_dir: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    optimizers = [] if "--optimizers" in argv else ["--optimizers", "adamw"]
+    assert main(["demo", "--data", str(text_dir), *optimizers, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gefen demo: error: ")
+    assert re.search(message, err), err
+
+
+def test_demo_rejects_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--optimizers", "adamw", "--data", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_rejects_empty_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["demo", "--optimizers", "adamw", "--data", str(tmp_path)]) == 2
+    assert "0 bytes in total" in capsys.readouterr().err
+
+
+def test_demo_rejects_data_smaller_than_one_window(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "short.txt").write_text("x = 1\n" * 20)  # 120 bytes; eval tail is 12 bytes
+    assert main(["demo", "--optimizers", "adamw", "--data", str(tmp_path), "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "the eval split has 12 bytes, fewer than one window of seq_len + 1 = 33 bytes" in err
+
+
+def test_corpus_holds_out_every_tenth_file(tmp_path: Path) -> None:
+    for i in range(20):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(bytes([65 + i]) * (i + 1))
+    corpus = load_corpus(tmp_path)
+    held_out = bytes([65 + 9]) * 10 + bytes([65 + 19]) * 20
+    assert corpus.eval.numpy().tobytes() == held_out
+    assert corpus.train.numel() == sum(range(1, 21)) - 30
+    assert (corpus.n_files, corpus.n_eval_files) == (20, 2)
+
+
+def test_corpus_skips_hidden_and_binary_files(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello world " * 10)
+    (tmp_path / "b.bin").write_bytes(b"\x00\x01\x02")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "c.txt").write_text("secret")
+    corpus = load_corpus(tmp_path)
+    assert (corpus.n_files, corpus.n_skipped_files) == (1, 1)
+    assert corpus.train.numel() + corpus.eval.numel() == 120 and corpus.eval.numel() == 12  # tail rule
+
+
+def test_batches_depend_only_on_seed() -> None:
+    data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    first, second = BatchSampler(data, 4, 16, seed=5), BatchSampler(data, 4, 16, seed=5)
+    for _ in range(3):
+        batch = first.next()
+        assert batch.shape == (4, 17) and batch.dtype == torch.uint8
+        assert torch.equal(batch, second.next())
+        assert torch.equal(batch[:, 1:] - batch[:, :-1], torch.ones(4, 16, dtype=torch.uint8))  # contiguous
+    windows = eval_windows(data, 16, 5)
+    assert windows[0, 0] == 0 and windows[-1, -1] == data[-1]
+
+
+def test_lr_multiplier_warms_up_then_decays_to_a_tenth() -> None:
+    total = 100  # warmup = 10 steps
+    assert _lr_multiplier(0, total) == pytest.approx(0.1)
+    assert _lr_multiplier(9, total) == pytest.approx(1.0)
+    assert _lr_multiplier(54, total) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert _lr_multiplier(99, total) == pytest.approx(0.1)
+
+
+def test_param_groups_decay_only_matrices_outside_the_embedding() -> None:
+    model = build_model("tiny", 32, 0)
+    decay, no_decay = param_groups(model, 0.1)
+    decayed = {name for name, _ in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert "lm_head.weight" in decayed and "blocks.0.attn.q_proj.weight" in decayed
+    assert "embed_tokens.weight" not in decayed
+    assert all(param.ndim == 1 or name == "embed_tokens.weight" for name, param in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_state_bytes_counts_every_state_tensor() -> None:
+    param = torch.nn.Parameter(torch.zeros(3, 5))
+    optimizer = torch.optim.AdamW([param], foreach=False)
+    param.grad = torch.ones(3, 5)
+    optimizer.step()
+    step_bytes = optimizer.state[param]["step"].numel() * optimizer.state[param]["step"].element_size()
+    assert state_bytes(optimizer) == 2 * 15 * 4 + step_bytes
