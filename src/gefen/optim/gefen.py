@@ -99,13 +99,13 @@ class Gefen(GefenOptimizer):
     Example:
         >>> import torch, gefen
         >>> _ = torch.manual_seed(0)
-        >>> model = torch.nn.Linear(16, 8)
+        >>> model = torch.nn.Linear(64, 32)
         >>> opt = gefen.Gefen(model.named_parameters(), lr=1e-3, weight_decay=0.01)
-        >>> loss = model(torch.randn(4, 16)).square().mean()
+        >>> loss = model(torch.randn(16, 64)).square().mean()
         >>> loss.backward()
         >>> opt.step()
-        >>> row = opt.state_report()[0]  # the (8, 16) weight
-        >>> row["name"], row["second_moment"], 128 % row["period"] == 0
+        >>> row = opt.state_report()[0]  # the (32, 64) weight
+        >>> row["name"], row["second_moment"], 2048 % row["period"] == 0
         ('weight', 'factored', True)
     """
 
