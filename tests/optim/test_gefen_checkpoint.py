@@ -14,14 +14,14 @@ from gefen import CheckpointError
 from gefen.checkpoint import METADATA_KEY, SCHEMA_VERSION
 
 
-def _model(dtype=torch.float32, seed=0):
+def _model(dtype=torch.float32, seed=0, hidden=48):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Embedding(64, 32),
-        torch.nn.Linear(32, 48),
+        torch.nn.Linear(32, hidden),
         torch.nn.GELU(),
-        torch.nn.LayerNorm(48),
-        torch.nn.Linear(48, 64),
+        torch.nn.LayerNorm(hidden),
+        torch.nn.Linear(hidden, 64),
     )
     return model.to(dtype)
 
@@ -227,13 +227,7 @@ def test_load_refuses_other_shapes():
     opt = gefen.Gefen(model.parameters(), lr=1e-3)
     _train(model, opt, 1)
     sd = _roundtrip(opt.state_dict())
-    other = torch.nn.Sequential(
-        torch.nn.Embedding(64, 32),
-        torch.nn.Linear(32, 40),
-        torch.nn.GELU(),
-        torch.nn.LayerNorm(40),
-        torch.nn.Linear(40, 64),
-    )
+    other = _model(hidden=40)
     opt2 = gefen.Gefen(other.parameters(), lr=1e-3)
     with pytest.raises(CheckpointError, match="belongs to another model|expected"):
         opt2.load_state_dict(sd)
