@@ -168,7 +168,8 @@ class Gefen(GefenOptimizer):
                 if not self._has_state(item.param):
                     if id(item.param) not in periods:  # all-zero first gradient: only the decoupled decay
                         zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
-                        apply_update_(item.param, zero, lr_value(group["lr"]), group["weight_decay"], 0.0)
+                        decay = lr_value(group["weight_decay"])
+                        apply_update_(item.param, zero, lr_value(group["lr"]), decay, 0.0)
                         continue
                     kind = self._second_moment_kind(item.param, group)
                     self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
@@ -256,18 +257,13 @@ class Gefen(GefenOptimizer):
             stop = min(start + chunk, numel)
             blocks = slice(start // period, stop // period)
             g_blocks = grad[start:stop].to(torch.float32).view(-1, period)
+            moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
             if view.kind == "factored":
-                moment = update_quantized_moment(
-                    view.codes[blocks], view.scale[blocks], g_blocks, table, beta1
-                )
                 denominator = factored_denominator(row_root[start // cols : stop // cols], col_root, eps)
                 direction = moment.m_hat.view(-1).div_(denominator.view(-1))
                 scale = 1.0 / bc1
             else:
                 v = block_second_moment_(view.second_moment[blocks], g_blocks, beta2)
-                moment = update_quantized_moment(
-                    view.codes[blocks], view.scale[blocks], g_blocks, table, beta1
-                )
                 direction = moment.m_hat.mul_(block_step_size(v, bc1, bc2, eps))
                 scale = 1.0
             view.codes[blocks] = moment.codes
