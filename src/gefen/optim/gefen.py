@@ -36,8 +36,10 @@ from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_facto
 
 __all__ = ["Gefen"]
 
-#: Elements per chunk of the update (rounded to whole blocks/rows): small enough for the cache.
+#: Elements per chunk of the update on the CPU (rounded to whole blocks/rows): small enough for the cache.
 _CHUNK_ELEMENTS = 1 << 16
+#: The same on accelerators, where each pass is a kernel launch: large enough to keep launches few.
+_CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
 
 
 class Gefen(GefenOptimizer):
@@ -251,7 +253,8 @@ class Gefen(GefenOptimizer):
             unit = math.lcm(period, cols)
         else:
             unit = period
-        chunk = max(unit, (_CHUNK_ELEMENTS // unit) * unit)
+        target = _CHUNK_ELEMENTS if item.param.device.type == "cpu" else _CHUNK_ELEMENTS_ACCELERATOR
+        chunk = max(unit, (target // unit) * unit)
         work = item.param.view(-1) if item.param.is_contiguous() else item.param.reshape(-1).clone()
         for start in range(0, numel, chunk):
             stop = min(start + chunk, numel)
