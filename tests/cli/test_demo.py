@@ -55,7 +55,8 @@ def torch_peers_run(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) ->
 def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[int, dict, Path]) -> None:
     code, report, _ = torch_peers_run
     assert code == 0
-    assert set(report) == {"steps", "model_params", "data", "optimizers"}
+    assert set(report) == {"steps", "model_params", "data", "optimizers", "settings"}
+    assert report["settings"]["model_size"] == "tiny" and report["settings"]["seq_len"] > 0
     assert report["steps"] == 30
     assert report["model_params"] == sum(p.numel() for p in build_model("tiny", 32, 0).parameters())
     data = report["data"]

@@ -344,7 +344,11 @@ def _finite_or_none(value: float) -> float | None:
 
 
 def _report(
-    steps: int, model_params: int, data: dict[str, object], results: dict[str, dict[str, Any]]
+    steps: int,
+    model_params: int,
+    data: dict[str, object],
+    results: dict[str, dict[str, Any]],
+    settings: dict[str, object] | None = None,
 ) -> dict[str, Any]:
     optimizers = {}
     for name, result in results.items():
@@ -359,7 +363,10 @@ def _report(
             "eval_curve": [[int(s), _finite_or_none(v)] for s, v in result["eval_curve"]],
             "train_curve": [[int(s), _finite_or_none(v)] for s, v in result["train_curve"]],
         }
-    return {"steps": steps, "model_params": model_params, "data": data, "optimizers": optimizers}
+    report: dict[str, Any] = {"steps": steps, "model_params": model_params, "data": data, "optimizers": optimizers}
+    if settings is not None:
+        report["settings"] = settings  # everything else needed to reproduce the run
+    return report
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -489,7 +496,12 @@ def _run(args: argparse.Namespace) -> int:
     print(_format_table(results))
     _print_ratios(results)
     if args.json is not None:
-        report = _report(args.steps, model_params, data, results)
+        settings = {
+            key: getattr(args, key)
+            for key in ("batch_size", "seq_len", "model_size", "seed", "threads", "eval_every")
+            if hasattr(args, key)
+        }
+        report = _report(args.steps, model_params, data, results, settings)
         Path(args.json).write_text(_CURVE_POINT.sub(r"[\1, \2]", json.dumps(report, indent=1)) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
