@@ -19,7 +19,7 @@ from torch import Tensor
 from gefen.checkpoint import METADATA_KEY, build_metadata, stage_load
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_group
-from gefen.state import PERIOD, SecondMomentKind, state_bytes, tensor_bytes
+from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
 __all__ = ["GefenOptimizer", "WorkItem"]
 
@@ -244,8 +244,9 @@ class GefenOptimizer(torch.optim.Optimizer):
         rows = []
         for _g, _i, p, name in self._iter_params():
             st = self.state.get(p, {})
-            period = int(st[PERIOD]) if PERIOD in st else None
-            kind = None if not st else ("factored" if "second_moment_row" in st else "block")
+            view = ParamState.from_dict(st) if STEP in st else None
+            period = None if view is None else view.period
+            kind = None if view is None else view.kind
             rows.append(
                 {
                     "name": name,
