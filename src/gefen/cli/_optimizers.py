@@ -23,7 +23,7 @@ Entries:
   numbers are not comparable with AdamW's. Its decoupled decay is ``p ← p·(1 − lr·wd)`` with that larger
   lr, so the decayed group gets ``wd = 0.1 · lr_adamw / lr`` (``lr_adamw`` = AdamW's recommended lr): the
   per-step shrink then equals AdamW's, whatever Adafactor lr is chosen.
-* ``gefen``: ``gefen.Gefen`` (imported when built, so the demo works for the torch peers without it).
+* ``gefen``: ``gefen.Gefen``.
 """
 
 from __future__ import annotations
@@ -126,15 +126,9 @@ def _adafactor(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def _gefen(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    import gefen
+    from gefen import Gefen
 
-    optimizer_class = getattr(gefen, "Gefen", None)
-    if optimizer_class is None:
-        raise RuntimeError(
-            "gefen.Gefen is not available in this installation of gefen; run the demo without 'gefen' in "
-            "--optimizers, or install a build that provides it."
-        )
-    return optimizer_class(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
 def _adamw_description() -> str:
