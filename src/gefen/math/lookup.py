@@ -22,7 +22,7 @@ from torch import Tensor
 
 from gefen.math.codebook import nearest_code
 
-__all__ = ["LOOKUP_BUCKETS", "NearestCodeTable", "build_nearest_table", "nearest_code_fast"]
+__all__ = ["LOOKUP_BUCKETS", "NearestCodeTable", "build_nearest_table", "nearest_code_fast", "gather"]
 
 #: Number of buckets over ``[-1, 1]`` (bucket width 2**-11), as in algorithm.md §4.9.
 LOOKUP_BUCKETS = 4096
@@ -108,7 +108,12 @@ def nearest_code_fast(u: Tensor, table: NearestCodeTable) -> Tensor:
 
     Source: algorithm.md §4.8, §4.9.
     """
-    index = table.lut[_bucket(u)]
+    index = gather(table.lut, _bucket(u))
     for _ in range(table.steps):
-        index += table.thresholds[index] < u
+        index += gather(table.thresholds, index) < u
     return index
+
+
+def gather(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` for a small 1-D table (``index_select`` is ~2x faster than advanced indexing on CPU)."""
+    return torch.index_select(values, 0, index.reshape(-1)).view(index.shape)

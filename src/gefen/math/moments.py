@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gefen.math.codebook import decode
-from gefen.math.lookup import NearestCodeTable, nearest_code_fast
+from gefen.math.lookup import NearestCodeTable, gather, nearest_code_fast
 
 __all__ = [
     "FLOAT32_TINY",
@@ -195,10 +195,10 @@ def update_quantized_moment(
     Source: algorithm.md §6.2 steps 5–6.
     """
     m = decode(codes, scale, table.codebook).lerp_(g_blocks, 1.0 - beta)
-    new_scale = torch.linalg.vector_norm(m, float("inf"), dim=1)  # == max |m| exactly
+    new_scale = m.abs().amax(dim=1)  # (much faster on CPU than linalg.vector_norm(m, inf, dim=1), same value)
     u = m.div_(torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))[:, None])
     index = nearest_code_fast(u, table)
-    m_hat = table.codebook[index].mul_(new_scale[:, None])
+    m_hat = gather(table.codebook, index).mul_(new_scale[:, None])
     return QuantizedMoment(index, new_scale, m_hat)
 
 

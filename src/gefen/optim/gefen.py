@@ -37,7 +37,7 @@ from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_facto
 __all__ = ["Gefen"]
 
 #: Elements per chunk of the update on the CPU (rounded to whole blocks/rows): small enough for the cache.
-_CHUNK_ELEMENTS = 1 << 16
+_CHUNK_ELEMENTS = 1 << 17
 #: The same on accelerators, where each pass is a kernel launch: large enough to keep launches few.
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
 
