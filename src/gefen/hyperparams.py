@@ -20,7 +20,7 @@ from gefen.errors import ConfigError
 
 __all__ = [
     "check_lr",
-    "lr_value",
+    "as_float",
     "check_betas",
     "check_eps",
     "check_weight_decay",
@@ -47,10 +47,10 @@ def _real(value: Any) -> float:
     return float(value.reshape(()).item()) if isinstance(value, torch.Tensor) else float(value)
 
 
-def lr_value(lr: Any) -> float:
+def as_float(value: Any) -> float:
     """A validated scalar hyperparameter (``lr``, a beta, ``eps``...) as a Python float (a tensor is read on the
     host)."""
-    return _real(lr)
+    return _real(value)
 
 
 def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> float | torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gefen.errors import StepError
-from gefen.hyperparams import lr_value, refuse_torch_only_options
+from gefen.hyperparams import as_float, refuse_torch_only_options
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -170,8 +170,8 @@ class Gefen(GefenOptimizer):
                 if not self._has_state(item.param):
                     if id(item.param) not in periods:  # all-zero first gradient: only the decoupled decay
                         zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
-                        decay = lr_value(group["weight_decay"])
-                        apply_update_(item.param, zero, lr_value(group["lr"]), decay, 0.0)
+                        decay = as_float(group["weight_decay"])
+                        apply_update_(item.param, zero, as_float(group["lr"]), decay, 0.0)
                         continue
                     kind = self._second_moment_kind(item.param, group)
                     self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
@@ -236,8 +236,8 @@ class Gefen(GefenOptimizer):
         """
         state = self.state[item.param]
         view = ParamState.from_dict(state)
-        beta1, beta2 = (lr_value(b) for b in group["betas"])
-        lr, eps, weight_decay = lr_value(group["lr"]), lr_value(group["eps"]), lr_value(group["weight_decay"])
+        beta1, beta2 = (as_float(b) for b in group["betas"])
+        lr, eps, weight_decay = as_float(group["lr"]), as_float(group["eps"]), as_float(group["weight_decay"])
         table = self._nearest_table(item.param.device)
         period, numel = view.period, item.param.numel()
         view.step.add_(1)
