@@ -4,12 +4,20 @@ GPT-shaped parameter set (embedding, q/k/v/o, SwiGLU gate/up/down, RMSNorm), all
 Prints one JSON object::
 
     {"params": int, "device": str, "threads": int,
-     "results": {NAME: {"opt_step_time_s": float, "state_bytes_per_param": float}},
-     "ratio_gefen_vs_adamw_fused": float}
+     "results": {NAME: {"opt_step_time_s": float, "first_step_time_s": float, "compile_time_s": float,
+                        "peak_extra_memory_bytes": int | null, "state_bytes_per_param": float,
+                        "compiled_signatures": int (Gefen only)}},
+     "ratio_gefen_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
+     "ratio_gefen_first_step_vs_step": float}
 
-Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones (the first Gefen step, which runs
-the period search and learns the codebook, is never timed). Gradients are fixed random tensors, regenerated
-by nobody: the step only reads them. No assertion on speed is made here; the issues set the bounds.
+``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``fused=None``: compiled kernels where
+``torch.compile`` works) and ``gefen_eager`` (``fused=False``). ``opt_step_time_s`` is the median over
+``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
+``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
+``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
+``peak_extra_memory_bytes`` is the peak memory above the level before the timed steps (CPU: Linux resident-set
+high-water mark; CUDA: allocator peak). Gradients are fixed random tensors: the step only reads them. No
+assertion on speed is made here; the issues set the bounds.
 
 Usage: ``python benchmarks/step.py [--size 25m] [--steps 20] [--device cpu]``
 """
@@ -64,16 +72,61 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     if isinstance(opt, gefen.Gefen):
         return opt.state_bytes()
     return sum(
-        t.numel() * t.element_size()
-        for st in opt.state.values()
-        for t in st.values()
-        if isinstance(t, torch.Tensor)
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
     )
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _read_status_kib(field: str) -> int | None:
+    """A ``VmRSS``/``VmHWM`` line of ``/proc/self/status`` in KiB (``None`` where there is no procfs)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory above the level at :meth:`start`, in bytes, while the steps run.
+
+    CUDA: the caching allocator's peak. CPU (Linux): the resident-set high-water mark, reset through
+    ``/proc/self/clear_refs`` (large transient buffers are mmap-ed and returned on free, so they show up);
+    ``None`` elsewhere.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base: int | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.base = None
+            return
+        rss = _read_status_kib("VmRSS")
+        self.base = None if rss is None else rss * 1024
+
+    def extra_bytes(self) -> int | None:
+        if self.base is None:
+            return None
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        hwm = _read_status_kib("VmHWM")
+        return None if hwm is None else max(0, hwm * 1024 - self.base)
 
 
 def time_steps(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup: int) -> float:
@@ -90,12 +143,32 @@ def time_steps(opt: torch.optim.Optimizer, device: torch.device, steps: int, war
     return statistics.median(times)
 
 
+def measure(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup: int) -> dict[str, object]:
+    """Time one optimizer: first step (Gefen: minus compile time), median step, peak extra memory."""
+    row: dict[str, object] = {}
+    start = time.perf_counter()
+    opt.step()
+    _sync(device)
+    first = time.perf_counter() - start
+    compile_s = getattr(opt, "compile_time_s", 0.0)
+    row["first_step_time_s"] = first - compile_s
+    row["compile_time_s"] = compile_s
+    peak = PeakMemory(device)
+    peak.start()
+    row["opt_step_time_s"] = time_steps(opt, device, steps, max(0, warmup - 1))
+    extra = peak.extra_bytes()
+    row["peak_extra_memory_bytes"] = extra
+    if isinstance(opt, gefen.Gefen):
+        row["compiled_signatures"] = len(opt._kernels)
+    return row
+
+
 def main() -> None:
     """Parse arguments, run every optimizer on the same parameter set, print the JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="25m")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (includes Gefen's first)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (includes the first step)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -107,6 +180,7 @@ def main() -> None:
         "adamw_fused": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True),
         "adamw_foreach": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True),
         "gefen": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1),
+        "gefen_eager": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, fused=False),
     }
     initial = [p.detach().clone() for p in params]
     results = {}
@@ -115,9 +189,11 @@ def main() -> None:
             for p, v in zip(params, initial):
                 p.copy_(v)
         opt = make()
-        step_s = time_steps(opt, device, args.steps, args.warmup)
-        results[name] = {"opt_step_time_s": step_s, "state_bytes_per_param": _state_bytes(opt) / n_params}
+        row = measure(opt, device, args.steps, args.warmup)
+        row["state_bytes_per_param"] = _state_bytes(opt) / n_params
+        results[name] = row
         del opt
+    fused_s = results["adamw_fused"]["opt_step_time_s"]
     print(
         json.dumps(
             {
@@ -125,8 +201,10 @@ def main() -> None:
                 "device": str(device),
                 "threads": torch.get_num_threads(),
                 "results": results,
-                "ratio_gefen_vs_adamw_fused": results["gefen"]["opt_step_time_s"]
-                / results["adamw_fused"]["opt_step_time_s"],
+                "ratio_gefen_vs_adamw_fused": results["gefen"]["opt_step_time_s"] / fused_s,
+                "ratio_gefen_eager_vs_adamw_fused": results["gefen_eager"]["opt_step_time_s"] / fused_s,
+                "ratio_gefen_first_step_vs_step": results["gefen"]["first_step_time_s"]
+                / results["gefen"]["opt_step_time_s"],
             },
             indent=2,
         )

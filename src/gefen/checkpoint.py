@@ -79,8 +79,7 @@ def _int_counter(value: object, where: str) -> int:
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype in (torch.bool, torch.uint8):
             raise CheckpointError(
-                f"{where} must be a 0-dim int64 tensor, got dtype {value.dtype} and "
-                f"shape {tuple(value.shape)}."
+                f"{where} must be a 0-dim int64 tensor, got dtype {value.dtype} and shape {tuple(value.shape)}."
             )
         return int(value.item())
     if isinstance(value, int) and not isinstance(value, bool):
@@ -106,9 +105,7 @@ def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[
         )
     kind = meta.get("optimizer")
     if kind != optimizer_kind:
-        raise CheckpointError(
-            f"checkpoint was saved by optimizer {kind!r}, cannot load it into {optimizer_kind}."
-        )
+        raise CheckpointError(f"checkpoint was saved by optimizer {kind!r}, cannot load it into {optimizer_kind}.")
     variant = meta.get("period_search")
     if variant != PERIOD_SEARCH_VARIANT:
         raise CheckpointError(
@@ -225,9 +222,7 @@ def stage_load(
                 if len(saved_names) == len(live_names)
                 else (len(saved_names), len(live_names))
             )
-            raise CheckpointError(
-                f"{where} parameter names differ from the live ones (first difference: {diff})."
-            )
+            raise CheckpointError(f"{where} parameter names differ from the live ones (first difference: {diff}).")
         for i, (pid, param) in enumerate(zip(saved["params"], live["params"])):
             if not isinstance(pid, int) or isinstance(pid, bool) or pid in index_to_param:
                 raise CheckpointError(f"{where}['params'][{i}]={pid!r} is not a unique integer index.")
@@ -242,9 +237,7 @@ def stage_load(
     new_state: dict[Tensor, dict[str, Tensor]] = {}
     for pid, saved_state in state_dict["state"].items():
         if pid not in index_to_param:
-            raise CheckpointError(
-                f"checkpoint state has an entry for parameter index {pid!r}, which no group lists."
-            )
+            raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
         new_state[param] = _stage_param_state(saved_state, param, second_moment_kind(param, group), where)

@@ -139,7 +139,7 @@ def check_bool(value: object, where: str, error: type[Exception] = ConfigError) 
 
 def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError) -> None:
     """Validate the Adam-family hyperparameters of one param group (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``factored_v_2d``) that are present in ``group``.
+    ``weight_decay``, ``factored_v_2d``, ``fused``) that are present in ``group``.
 
     Args:
         group: a param-group mapping.
@@ -159,6 +159,8 @@ def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = C
         check_weight_decay(group["weight_decay"], f"{where}['weight_decay']", error)
     if "factored_v_2d" in group:
         check_bool(group["factored_v_2d"], f"{where}['factored_v_2d']", error)
+    if "fused" in group and group["fused"] is not None:
+        check_bool(group["fused"], f"{where}['fused']", error)
 
 
 #: ``torch.optim.AdamW`` keyword arguments and the value that means "off"; Gefen accepts only that value.
@@ -168,14 +170,13 @@ _TORCH_ONLY_OPTIONS: dict[str, object] = {
     "capturable": False,
     "differentiable": False,
     "foreach": None,
-    "fused": None,
 }
 
 
 def refuse_torch_only_options(kind: str, options: Mapping[str, Any]) -> None:
     """Refuse ``torch.optim.AdamW`` options a Gefen optimizer does not implement, with a clear message.
 
-    ``foreach`` and ``fused`` may be ``None`` or ``False``; the others only their "off" value, so code written
+    ``foreach`` may be ``None`` or ``False``; the others only their "off" value, so code written
     for AdamW that passes the defaults explicitly keeps working.
 
     Raises:

@@ -20,10 +20,50 @@ from gefen.cli.main import main
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _LN_256 = math.log(256)
-_WORDS = ("def", "return", "self", "value", "if", "else", "for", "in", "range", "print", "import", "class",
-          "None", "True", "x", "y", "total", "index", "name", "data", "(", ")", ":", "=", "+", ",")
-_FAST = ["--model-size", "tiny", "--steps", "30", "--batch-size", "8", "--seq-len", "32",
-         "--eval-every", "10", "--threads", "1", "--seed", "3"]
+_WORDS = (
+    "def",
+    "return",
+    "self",
+    "value",
+    "if",
+    "else",
+    "for",
+    "in",
+    "range",
+    "print",
+    "import",
+    "class",
+    "None",
+    "True",
+    "x",
+    "y",
+    "total",
+    "index",
+    "name",
+    "data",
+    "(",
+    ")",
+    ":",
+    "=",
+    "+",
+    ",",
+)
+_FAST = [
+    "--model-size",
+    "tiny",
+    "--steps",
+    "30",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "10",
+    "--threads",
+    "1",
+    "--seed",
+    "3",
+]
 
 
 def _write_text_dir(root: Path, n_files: int = 12, lines_per_file: int = 60) -> Path:
@@ -31,8 +71,10 @@ def _write_text_dir(root: Path, n_files: int = 12, lines_per_file: int = 60) -> 
     rng = random.Random(0)
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n_files):
-        lines = [" " * rng.choice((0, 4, 8)) + " ".join(rng.choices(_WORDS, k=rng.randint(3, 8)))
-                 for _ in range(lines_per_file)]
+        lines = [
+            " " * rng.choice((0, 4, 8)) + " ".join(rng.choices(_WORDS, k=rng.randint(3, 8)))
+            for _ in range(lines_per_file)
+        ]
         (root / f"module_{i:02d}.py").write_text("\n".join(lines) + "\n")
     return root
 
@@ -46,8 +88,20 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torch_peers_run(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> tuple[int, dict, Path]:
     out = tmp_path_factory.mktemp("out")
     json_path, plot_path = out / "demo.json", out / "demo.png"
-    code = main(["demo", "--optimizers", "adamw,adafactor", "--data", str(text_dir), *_FAST,
-                 "--json", str(json_path), "--plot", str(plot_path)])
+    code = main(
+        [
+            "demo",
+            "--optimizers",
+            "adamw,adafactor",
+            "--data",
+            str(text_dir),
+            *_FAST,
+            "--json",
+            str(json_path),
+            "--plot",
+            str(plot_path),
+        ]
+    )
     return code, json.loads(json_path.read_text()), plot_path
 
 
@@ -63,9 +117,17 @@ def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[in
     assert data["n_files"] == 12 and data["n_eval_files"] == 1  # file index 9 of 12 is held out
     assert data["train_bytes"] > 0 and data["eval_bytes"] > 0 and isinstance(data["held_out_rule"], str)
     assert list(report["optimizers"]) == ["adamw", "adafactor"]
-    expected = {"lr": float, "eval_loss": float, "train_loss": float, "state_bytes_per_param": float,
-                "opt_step_time_s": float, "train_step_time_s": float, "peak_rss_bytes": int,
-                "eval_curve": list, "train_curve": list}
+    expected = {
+        "lr": float,
+        "eval_loss": float,
+        "train_loss": float,
+        "state_bytes_per_param": float,
+        "opt_step_time_s": float,
+        "train_step_time_s": float,
+        "peak_rss_bytes": int,
+        "eval_curve": list,
+        "train_curve": list,
+    }
     for name, result in report["optimizers"].items():
         assert set(result) == set(expected), name
         for key, kind in expected.items():
@@ -93,8 +155,9 @@ def test_demo_plot_is_a_png(torch_peers_run: tuple[int, dict, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_demo_same_seed_gives_identical_losses(torch_peers_run: tuple[int, dict, Path], text_dir: Path,
-                                               tmp_path: Path) -> None:
+def test_demo_same_seed_gives_identical_losses(
+    torch_peers_run: tuple[int, dict, Path], text_dir: Path, tmp_path: Path
+) -> None:
     _, first, _ = torch_peers_run
     json_path = tmp_path / "again.json"
     argv = ["demo", "--optimizers", "adamw", "--data", str(text_dir), *_FAST, "--json", str(json_path)]
@@ -138,8 +201,9 @@ def test_demo_runs_gefen(text_dir: Path, tmp_path: Path) -> None:
         (["--json", "/nonexistent-folder/x.json"], r"does not exist; create it first"),
     ],
 )
-def test_demo_rejects_bad_arguments(argv: list[str], message: str, text_dir: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_rejects_bad_arguments(
+    argv: list[str], message: str, text_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     optimizers = [] if "--optimizers" in argv else ["--optimizers", "adamw"]
     assert main(["demo", "--data", str(text_dir), *optimizers, *argv]) == 2
     err = capsys.readouterr().err
@@ -158,8 +222,7 @@ def test_demo_rejects_empty_data(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "0 bytes in total" in capsys.readouterr().err
 
 
-def test_demo_rejects_data_smaller_than_one_window(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_rejects_data_smaller_than_one_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "short.txt").write_text("x = 1\n" * 20)  # 120 bytes; eval tail is 12 bytes
     assert main(["demo", "--optimizers", "adamw", "--data", str(tmp_path), "--seq-len", "32"]) == 2
     err = capsys.readouterr().err

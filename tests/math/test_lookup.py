@@ -33,9 +33,7 @@ CODEBOOKS = {
     "padded": lambda: fit_codebook(torch.bincount(torch.tensor([100, 2048, 3000, 3001]), minlength=4096)),
     "uniform-with-zero": lambda: torch.cat([torch.linspace(-1, 1, 255), torch.zeros(1)]).sort().values,
     "dense-near-zero": lambda: (
-        torch.cat(
-            [torch.tensor([-1.0, 1.0, 0.0]), torch.linspace(-3e-4, 3e-4, 120), torch.linspace(-0.9, 0.9, 133)]
-        )
+        torch.cat([torch.tensor([-1.0, 1.0, 0.0]), torch.linspace(-3e-4, 3e-4, 120), torch.linspace(-0.9, 0.9, 133)])
         .sort()
         .values
     ),

@@ -162,9 +162,7 @@ BAD_LOADS = [
     ),
     (
         "scale dtype",
-        _inplace(
-            lambda sd: _first(sd).update(first_moment_scale=_first(sd)["first_moment_scale"].bfloat16())
-        ),
+        _inplace(lambda sd: _first(sd).update(first_moment_scale=_first(sd)["first_moment_scale"].bfloat16())),
         "dtype",
     ),
     (

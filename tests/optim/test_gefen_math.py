@@ -25,9 +25,7 @@ def test_steps_match_dense_float64_reference(shape, factored, weight_decay):
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(shape))
     start = param.detach().clone()
-    opt = gefen.Gefen(
-        [param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, factored_v_2d=factored
-    )
+    opt = gefen.Gefen([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, factored_v_2d=factored)
     grads = _grad_sequence(shape, 4, seed=1)
     ref = None
     ref_param = start.double()

@@ -67,10 +67,7 @@ class GefenReference:
                     step_size[j] = s
         out = []
         for b in range(self.blocks):
-            m = [
-                b1 * self.codebook[self.codes[j]] * self.scale[b] + (1 - b1) * g[j]
-                for j in range(b * P, (b + 1) * P)
-            ]
+            m = [b1 * self.codebook[self.codes[j]] * self.scale[b] + (1 - b1) * g[j] for j in range(b * P, (b + 1) * P)]
             a = max(abs(x) for x in m)
             self.scale[b] = a
             for k, j in enumerate(range(b * P, (b + 1) * P)):

@@ -70,7 +70,8 @@ class Corpus:
 def _stdlib_files() -> tuple[str, list[Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
-        path for path in root.rglob("*.py")
+        path
+        for path in root.rglob("*.py")
         if "site-packages" not in path.parts and "dist-packages" not in path.parts and path.is_file()
     ]
     return f"python-stdlib:{root}", sorted(files)
@@ -82,9 +83,7 @@ def _is_hidden(path: Path, root: Path) -> bool:
 
 def _user_files(path: Path) -> tuple[str, list[Path]]:
     if not path.exists():
-        raise FileNotFoundError(
-            f"--data {str(path)!r} does not exist; pass a text file or a directory of text files."
-        )
+        raise FileNotFoundError(f"--data {str(path)!r} does not exist; pass a text file or a directory of text files.")
     if path.is_file():
         return str(path), [path]
     if not path.is_dir():

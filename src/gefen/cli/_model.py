@@ -224,8 +224,12 @@ def build_model(size: str, context_len: int, seed: int) -> ByteTransformer:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}.")
     base = MODEL_SIZES[size]
     config = ModelConfig(
-        d_model=base.d_model, n_layers=base.n_layers, n_heads=base.n_heads, d_ff=base.d_ff,
-        context_len=context_len, vocab_size=base.vocab_size,
+        d_model=base.d_model,
+        n_layers=base.n_layers,
+        n_heads=base.n_heads,
+        d_ff=base.d_ff,
+        context_len=context_len,
+        vocab_size=base.vocab_size,
     )
     torch.manual_seed(seed)
     return ByteTransformer(config)

@@ -139,9 +139,7 @@ def _adamw_description() -> str:
 def _registry() -> dict[str, OptimizerSpec]:
     entries = [
         OptimizerSpec("adamw", _adamw, _ADAMW_LR, "torch.optim.AdamW, fused=True on CPU when supported"),
-        OptimizerSpec(
-            "adamw-foreach", _adamw_foreach, _ADAMW_LR, f"torch.optim.AdamW(foreach=True), betas={BETAS}"
-        ),
+        OptimizerSpec("adamw-foreach", _adamw_foreach, _ADAMW_LR, f"torch.optim.AdamW(foreach=True), betas={BETAS}"),
         OptimizerSpec("adafactor", _adafactor, 5e-2, "torch.optim.Adafactor; lr caps the relative step size"),
         OptimizerSpec("gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state), betas={BETAS}"),
     ]

@@ -98,26 +98,53 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     add = parser.add_argument
-    add("--optimizers", default=_DEFAULT_OPTIMIZERS,
-        help="comma-separated optimizer names, run in this order (default: %(default)s)")
-    add("--lr", action="append", default=[], metavar="NAME=VALUE",
-        help="override one optimizer's peak lr (repeatable), e.g. --lr adamw=2e-3")
+    add(
+        "--optimizers",
+        default=_DEFAULT_OPTIMIZERS,
+        help="comma-separated optimizer names, run in this order (default: %(default)s)",
+    )
+    add(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one optimizer's peak lr (repeatable), e.g. --lr adamw=2e-3",
+    )
     add("--steps", type=int, default=200, help="training steps per optimizer (default: %(default)s)")
     add("--batch-size", type=int, default=16, help="sequences per batch (default: %(default)s)")
-    add("--seq-len", type=int, default=128,
-        help="bytes per training sequence, also the model context (default: %(default)s)")
-    add("--model-size", choices=sorted(MODEL_SIZES), default="small",
-        help="tiny ≈ 0.9M params, small ≈ 3.3M params (default: %(default)s)")
-    add("--seed", type=int, default=0,
-        help="seed of the initial weights and of the batches (default: %(default)s)")
-    add("--threads", type=int, default=_default_threads(),
-        help="torch threads in each training process (default: all usable cores, %(default)s)")
+    add(
+        "--seq-len",
+        type=int,
+        default=128,
+        help="bytes per training sequence, also the model context (default: %(default)s)",
+    )
+    add(
+        "--model-size",
+        choices=sorted(MODEL_SIZES),
+        default="small",
+        help="tiny ≈ 0.9M params, small ≈ 3.3M params (default: %(default)s)",
+    )
+    add("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: %(default)s)")
+    add(
+        "--threads",
+        type=int,
+        default=_default_threads(),
+        help="torch threads in each training process (default: all usable cores, %(default)s)",
+    )
     add("--eval-every", type=int, default=25, help="evaluate every this many steps (default: %(default)s)")
-    add("--data", default=None, metavar="PATH",
-        help="text file or directory of text files (default: the Python stdlib .py files)")
+    add(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="text file or directory of text files (default: the Python stdlib .py files)",
+    )
     add("--json", default=None, metavar="PATH", help="write the results as JSON here")
-    add("--plot", default=None, metavar="PATH",
-        help=f"write a PNG of eval and train loss against step here (needs {_PIP_HINT})")
+    add(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help=f"write a PNG of eval and train loss against step here (needs {_PIP_HINT})",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -145,14 +172,10 @@ def _parse_optimizers(text: str, known: Sequence[str]) -> list[str]:
         raise _UsageError(f"--optimizers {text!r} has an empty name; pass e.g. --optimizers adamw,gefen.")
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise _UsageError(
-            f"unknown optimizer(s) {', '.join(map(repr, unknown))}; valid names: {', '.join(known)}."
-        )
+        raise _UsageError(f"unknown optimizer(s) {', '.join(map(repr, unknown))}; valid names: {', '.join(known)}.")
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise _UsageError(
-            f"--optimizers names {', '.join(duplicates)} more than once; list each optimizer once."
-        )
+        raise _UsageError(f"--optimizers names {', '.join(duplicates)} more than once; list each optimizer once.")
     return names
 
 
@@ -173,9 +196,7 @@ def _parse_lrs(items: Sequence[str], selected: Sequence[str], known: Sequence[st
         try:
             lr = float(value)
         except ValueError:
-            raise _UsageError(
-                f"--lr {item!r}: {value!r} is not a number; use e.g. --lr {name}=2e-3."
-            ) from None
+            raise _UsageError(f"--lr {item!r}: {value!r} is not a number; use e.g. --lr {name}=2e-3.") from None
         if not math.isfinite(lr) or lr <= 0:
             raise _UsageError(f"--lr {item!r}: the lr must be finite and > 0.")
         if name in overrides:
@@ -185,8 +206,13 @@ def _parse_lrs(items: Sequence[str], selected: Sequence[str], known: Sequence[st
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    counts = (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
-              ("--threads", args.threads), ("--eval-every", args.eval_every))
+    counts = (
+        ("--steps", args.steps),
+        ("--batch-size", args.batch_size),
+        ("--seq-len", args.seq_len),
+        ("--threads", args.threads),
+        ("--eval-every", args.eval_every),
+    )
     for flag, value in counts:
         if value < 1:
             raise _UsageError(f"{flag}={value} must be >= 1.")
@@ -281,7 +307,7 @@ def _train_one(job: _Job) -> dict[str, Any]:
         bar.update(1)
     bar.close()
     train_time_s = time.perf_counter() - start
-    tail = train_curve[-max(1, job.steps // 10):]
+    tail = train_curve[-max(1, job.steps // 10) :]
     nan = float("nan")
     return {
         "lr": job.lr,
@@ -308,8 +334,16 @@ def _run_in_fresh_process(job: _Job) -> dict[str, Any]:
 
 
 def _format_table(results: dict[str, dict[str, Any]]) -> str:
-    header = ["optimizer", "lr", "eval loss", "train loss", "state B/param", "opt.step ms", "train step ms",
-              "peak RSS MiB"]
+    header = [
+        "optimizer",
+        "lr",
+        "eval loss",
+        "train loss",
+        "state B/param",
+        "opt.step ms",
+        "train step ms",
+        "peak RSS MiB",
+    ]
     baseline = results.get("adamw", {}).get("eval_loss")
     if baseline is not None and len(results) > 1:
         header.append("eval/adamw")
@@ -331,8 +365,10 @@ def _format_table(results: dict[str, dict[str, Any]]) -> str:
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
-        "  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
-                  for column, (cell, width) in enumerate(zip(row, widths, strict=True)))
+        "  ".join(
+            cell.ljust(width) if column == 0 else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+        )
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -402,7 +438,7 @@ def _write_plot(path: str, results: dict[str, dict[str, Any]], title: str) -> No
         smoothed = _smooth(list(train_losses), window)
         smoothing = f", mean of {window} steps" if window > 1 else ""
         train_axes.plot(train_steps, smoothed, color=color, label=f"{label}{smoothing}")
-        finite = [v for v in losses[1:] + tuple(smoothed[len(smoothed) // 5:]) if math.isfinite(v)]
+        finite = [v for v in losses[1:] + tuple(smoothed[len(smoothed) // 5 :]) if math.isfinite(v)]
         visible.extend(finite)
     for axes, name in ((eval_axes, "eval loss (held-out files)"), (train_axes, "train loss")):
         axes.set_xlabel("step")
@@ -477,21 +513,30 @@ def _run(args: argparse.Namespace) -> int:
         lr = lr_overrides.get(name, OPTIMIZERS[name].lr)
         print(f"[{name}] {describe(name, lr)}; lr {lr:g}{' (--lr)' if name in lr_overrides else ''}", flush=True)
         job = _Job(
-            name=name, lr=lr, model_size=args.model_size, seq_len=args.seq_len, batch_size=args.batch_size,
-            steps=args.steps, seed=args.seed, threads=args.threads, eval_every=args.eval_every,
-            train_bytes=train_bytes, eval_bytes=eval_bytes,
+            name=name,
+            lr=lr,
+            model_size=args.model_size,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            seed=args.seed,
+            threads=args.threads,
+            eval_every=args.eval_every,
+            train_bytes=train_bytes,
+            eval_bytes=eval_bytes,
         )
         started = time.perf_counter()
         try:
             results[name] = _run_in_fresh_process(job)
         except Exception as error:  # the child's exception, re-raised here with its traceback attached
             traceback.print_exception(error, file=sys.stderr)
-            print(f"gefen demo: error: training with {name!r} failed: {type(error).__name__}: {error}",
-                  file=sys.stderr)
+            print(f"gefen demo: error: training with {name!r} failed: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
-        print(f"[{name}] done in {time.perf_counter() - started:.1f} s ({results[name]['_train_time_s']:.1f} s "
-              f"training and eval; first optimizer.step() {results[name]['_first_opt_step_time_s']:.2f} s)",
-              flush=True)
+        print(
+            f"[{name}] done in {time.perf_counter() - started:.1f} s ({results[name]['_train_time_s']:.1f} s "
+            f"training and eval; first optimizer.step() {results[name]['_first_opt_step_time_s']:.2f} s)",
+            flush=True,
+        )
     print()
     print(_format_table(results))
     _print_ratios(results)
@@ -505,8 +550,10 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(_CURVE_POINT.sub(r"[\1, \2]", json.dumps(report, indent=1)) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
-        title = (f"gefen demo: {args.model_size} byte transformer ({model_params / 1e6:.2f}M params), "
-                 f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes, seed {args.seed}")
+        title = (
+            f"gefen demo: {args.model_size} byte transformer ({model_params / 1e6:.2f}M params), "
+            f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes, seed {args.seed}"
+        )
         _write_plot(args.plot, results, title)
         print(f"wrote {args.plot}")
     print(f"total wall time {time.perf_counter() - wall_start:.1f} s")
@@ -514,14 +561,20 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_ratios(results: dict[str, dict[str, Any]]) -> None:
-    print("\neval loss: nats/byte on held-out files after the last step; train loss: mean of the last "
-          "10% of steps; times are medians; state B/param from optimizer state after training.")
+    print(
+        "\neval loss: nats/byte on held-out files after the last step; train loss: mean of the last "
+        "10% of steps; times are medians; state B/param from optimizer state after training."
+    )
     if "gefen" in results and "adamw" in results:
         ratio = results["gefen"]["eval_loss"] / results["adamw"]["eval_loss"]  # NaN if either diverged
-        print(f"gefen/adamw eval-loss ratio: {ratio:.4f} "
-              f"(state {results['gefen']['state_bytes_per_param']:.2f} vs "
-              f"{results['adamw']['state_bytes_per_param']:.2f} bytes/param)")
+        print(
+            f"gefen/adamw eval-loss ratio: {ratio:.4f} "
+            f"(state {results['gefen']['state_bytes_per_param']:.2f} vs "
+            f"{results['adamw']['state_bytes_per_param']:.2f} bytes/param)"
+        )
     for name, result in results.items():
         if result["_diverged_at_step"]:
-            print(f"{name}: training loss became non-finite at step {result['_diverged_at_step']}; "
-                  f"try a lower --lr {name}=...")
+            print(
+                f"{name}: training loss became non-finite at step {result['_diverged_at_step']}; "
+                f"try a lower --lr {name}=..."
+            )

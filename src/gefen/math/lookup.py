@@ -87,9 +87,7 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     lut = torch.zeros(LOOKUP_BUCKETS + 1, dtype=torch.int32)
     lut[1:] = torch.cumsum(counts, 0).to(torch.int32)
     # Thresholds at +1 (trailing copies of the +1 code) are never below an input u <= 1: no compare needed.
-    below_one = torch.bincount(
-        _bucket(thresholds[thresholds < 1.0]).to(torch.int64), minlength=LOOKUP_BUCKETS
-    )
+    below_one = torch.bincount(_bucket(thresholds[thresholds < 1.0]).to(torch.int64), minlength=LOOKUP_BUCKETS)
     steps = int(below_one.max()) if k > 1 else 0
     padded = torch.cat([thresholds, torch.full((steps,), float("inf"))])
     dev = codebook.device

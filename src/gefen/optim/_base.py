@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gefen.checkpoint import METADATA_KEY, build_metadata, stage_load
+from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_group
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
@@ -62,8 +63,9 @@ class GefenOptimizer(torch.optim.Optimizer):
                 "Tensor; pass [tensor] or model.parameters()."
             )
         self._codebook: Tensor | None = None
-        self._tables: dict[torch.device, Any] = {}  # per-device caches derived from the codebook
+        self._tables: dict[Any, Any] = {}  # per-device caches derived from the codebook
         self._global_step = 0
+        self._init_runtime()
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_add_metadata, prepend=True)
 
@@ -79,8 +81,20 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_codebook", None)
         self.__dict__.setdefault("_global_step", 0)
         self._tables = {}
+        self._init_runtime()
         if _add_metadata not in self._optimizer_state_dict_post_hooks.values():
             self.register_state_dict_post_hook(_add_metadata, prepend=True)
+
+    def _init_runtime(self) -> None:
+        """Per-process caches that are never pickled or checkpointed (compiled kernels, pending codebook)."""
+        self._kernels = StepKernels()
+        self._pending_codebook: Tensor | None = None
+        self._warned_fallback = False
+
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds spent compiling fused step kernels in this process (``0.0`` on the eager path)."""
+        return self._kernels.compile_time_s
 
     # ------------------------------------------------------------------ construction / param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -120,6 +134,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             tensors.append(tensor)
         if len({id(t) for t in tensors}) != len(tensors):
             raise ConfigError(f"{where}['params'] lists the same parameter twice; pass each parameter once.")
+        self._check_group_tensors({**self.defaults, **group}, tensors, where)
         group["params"] = items
         super().add_param_group(group)
 
@@ -147,22 +162,21 @@ class GefenOptimizer(torch.optim.Optimizer):
                 continue
             where = f"{self.kind}: gradient of {name}"
             if grad.is_sparse or grad.layout != torch.strided:
-                raise StepError(
-                    f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients."
-                )
+                raise StepError(f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients.")
             if grad.is_complex() or not grad.is_floating_point():
                 raise StepError(f"{where} has dtype {grad.dtype}; a real floating gradient is required.")
             if grad.shape != p.shape:
                 raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
             if grad.device != p.device:
-                raise StepError(
-                    f"{where} is on {grad.device}, the parameter on {p.device}; move them together."
-                )
+                raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
             plan[g].append(WorkItem(p, grad, name))
         return plan
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
+
+    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+        """Subclass hook: validate a new group's options against its tensors (raise ConfigError)."""
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         raise NotImplementedError

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.errors import StepError
+from gefen.compiled import COMPILED_DTYPES, KernelSignature, compile_supported, fused_by_default
+from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, refuse_torch_only_options
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
@@ -19,6 +20,7 @@ from gefen.math.codebook import (
     fit_codebook,
     zero_code_index,
 )
+from gefen.math.fused import lookup_table_as_float, step_scalars
 from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
     apply_update_,
@@ -88,8 +90,14 @@ class Gefen(GefenOptimizer):
         factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters whose statistics cost
             at most 0.5 byte/param (``8·(R + C) <= R·C``; thin matrices keep the block form); ``False`` uses one
             value per block for every tensor.
+        fused: the compiled fast path (one ``torch.compile``\ d kernel per parameter signature, inductor C++ on
+            CPU / Triton on CUDA; see :mod:`gefen.compiled`). ``None`` (default): use it where it works and fall
+            back to the eager step (same math) with one warning where it cannot compile; ``True``: require it
+            (``ConfigError`` at construction for float64 parameters or other devices, ``StepError`` before any
+            change if a kernel fails to compile); ``False``: always eager. Compile time is paid once per
+            signature and reported by :attr:`compile_time_s`.
         **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
-            ``amsgrad=False``, ``capturable=False``, ``differentiable=False``, ``foreach``/``fused`` ``None`` or
+            ``amsgrad=False``, ``capturable=False``, ``differentiable=False``, ``foreach`` ``None`` or
             ``False``) so AdamW call sites keep working; anything else is refused.
 
     Raises:
@@ -122,19 +130,39 @@ class Gefen(GefenOptimizer):
         weight_decay: float = 0.0,
         *,
         factored_v_2d: bool = True,
+        fused: bool | None = None,
         **torch_options: Any,
     ) -> None:
         refuse_torch_only_options("Gefen", torch_options)
         if not isinstance(factored_v_2d, bool):
             raise TypeError(f"Gefen factored_v_2d={factored_v_2d!r} must be a bool (True or False).")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"Gefen fused={fused!r} must be None, True or False.")
         defaults = {
             "lr": lr,
             "betas": tuple(betas) if isinstance(betas, list) else betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
+            "fused": fused,
         }
         super().__init__(params, defaults)
+
+    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+        if group.get("fused") is not True:
+            return
+        if not compile_supported():
+            raise ConfigError(
+                f"{where}: fused=True needs torch.compile, which is not supported on this Python/platform; "
+                "pass fused=None (use it where available) or fused=False."
+            )
+        for i, tensor in enumerate(tensors):
+            if tensor.dtype not in COMPILED_DTYPES or tensor.device.type not in ("cpu", "cuda"):
+                raise ConfigError(
+                    f"{where}['params'][{i}] is {tensor.dtype} on {tensor.device.type}; fused=True supports "
+                    "float32/bfloat16/float16 parameters on CPU and CUDA. Pass fused=None to run the others "
+                    "on the eager path."
+                )
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         return "factored" if group.get("factored_v_2d", True) and is_factorable(tuple(param.shape)) else "block"
@@ -152,7 +180,8 @@ class Gefen(GefenOptimizer):
 
         Raises:
             StepError: a gradient is sparse, complex, of another shape or device, or (on a parameter's first
-                update) not finite in fp32. Nothing has been changed when it is raised.
+                update) not finite in fp32; or ``fused=True`` and a kernel could not be compiled. Nothing has
+                been changed when it is raised.
             ConfigError: a param group's hyperparameter became invalid.
         """
         loss = self._evaluate_closure(closure)
@@ -160,24 +189,146 @@ class Gefen(GefenOptimizer):
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
         periods = self._search_periods(fresh)  # also refuses non-finite first gradients
         starting = [item for item in fresh if id(item.param) in periods]
-        if self._codebook is None and starting:
-            self._set_codebook(self._learn_codebook(starting, periods))
+        codebook = self._codebook
+        if codebook is None and starting:
+            codebook = self._learn_codebook(starting, periods)
+        jobs = [
+            (item, group)
+            for group, work in zip(self.param_groups, plan)
+            for item in work
+            if self._has_state(item.param) or id(item.param) in periods
+        ]
+        kernels = self._compile_jobs(jobs, codebook, periods) if jobs else {}
+        # ---- nothing above has changed the optimizer; from here on the step is applied
+        if codebook is not self._codebook:
+            self._set_codebook(codebook)
         if not any(plan):
             return loss
-        zero_code = zero_code_index(self._codebook) if starting else 0
+        zero_code = zero_code_index(codebook) if starting else 0
         for group, work in zip(self.param_groups, plan):
             for item in work:
-                if not self._has_state(item.param):
-                    if id(item.param) not in periods:  # all-zero first gradient: only the decoupled decay
-                        zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
-                        decay = as_float(group["weight_decay"])
-                        apply_update_(item.param, zero, as_float(group["lr"]), decay, 0.0)
-                        continue
+                if self._has_state(item.param):
+                    continue
+                if id(item.param) in periods:
                     kind = self._second_moment_kind(item.param, group)
                     self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
+                else:  # all-zero first gradient: only the decoupled decay
+                    zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
+                    apply_update_(item.param, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
+        self._run_compiled(
+            [(item, group, kernels[id(item.param)]) for item, group in jobs if id(item.param) in kernels]
+        )
+        for item, group in jobs:
+            if id(item.param) not in kernels:
                 self._update(item, group)
         self._global_step += 1
         return loss
+
+    # ------------------------------------------------------------------ compiled fast path
+    def _signature(self, item: WorkItem, group: Mapping[str, Any], periods: Mapping[int, int]) -> KernelSignature:
+        if self._has_state(item.param):
+            view = ParamState.from_dict(self.state[item.param])
+            kind, period = view.kind, view.period
+        else:
+            kind, period = self._second_moment_kind(item.param, group), periods[id(item.param)]
+        numel = item.param.numel()
+        shape = tuple(item.param.shape) if kind == "factored" else (numel // period, period)
+        weight = torch.tensor(1.0 - as_float(group["betas"][0]), dtype=torch.float32)  # torch's lerp branch test
+        return KernelSignature(
+            kind,
+            shape,
+            period,
+            item.param.dtype,
+            item.grad.dtype,
+            item.param.device.type,
+            self._nearest_table(item.param.device, self._pending_codebook).steps,
+            bool(weight.abs() >= 0.5),
+        )
+
+    def _compile_jobs(
+        self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], codebook: Tensor | None, periods: Mapping[int, int]
+    ) -> dict[int, KernelSignature]:
+        """Choose the compiled path per parameter and compile new signatures, before any state changes.
+
+        Returns:
+            ``id(param) -> signature`` of the parameters that run compiled; the others run eagerly.
+
+        Raises:
+            StepError: a param group with ``fused=True`` has a signature that failed to compile.
+        """
+        chosen: dict[int, KernelSignature] = {}
+        self._pending_codebook = codebook
+        try:
+            default = fused_by_default() if any(group.get("fused") is None for _, group in jobs) else False
+            for item, group in jobs:
+                fused = group.get("fused")
+                wanted = default if fused is None else fused
+                if fused and not compile_supported():
+                    raise StepError(
+                        "Gefen(fused=True): torch.compile is unavailable or disabled here (TORCH_COMPILE_DISABLE "
+                        "or torch._dynamo.config.disable). Nothing was changed; pass fused=None or fused=False."
+                    )
+                if not wanted or not compile_supported() or not item.param.is_contiguous():
+                    continue
+                signature = self._signature(item, group, periods)
+                if not signature.eligible():
+                    continue
+                try:
+                    self._kernels.prepare(signature, item.param.device, self._fused_tables(item.param.device))
+                except Exception as exc:
+                    if fused:
+                        raise StepError(
+                            f"Gefen(fused=True): compiling the step of {item.name} {signature} failed: "
+                            f"{type(exc).__name__}: {exc}. Nothing was changed; pass fused=None to fall back "
+                            "to the eager path, or fix the torch.compile toolchain (a C++ compiler on CPU)."
+                        ) from exc
+                    if not self._warned_fallback:
+                        self._warned_fallback = True
+                        warnings.warn(
+                            f"Gefen: torch.compile could not build the fused step ({type(exc).__name__}: {exc}); "
+                            "using the eager step for the affected parameters (same results, slower).",
+                            stacklevel=5,  # _compile_jobs <- step <- no_grad <- torch step hooks <- caller
+                        )
+                    continue
+                chosen[id(item.param)] = signature
+        finally:
+            self._pending_codebook = None
+        return chosen
+
+    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> None:
+        """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy."""
+        rows: dict[torch.device, list[list[float]]] = {}
+        for item, group, signature in jobs:
+            view = ParamState.from_dict(self.state[item.param])
+            view.step.add_(1)
+            beta1, beta2 = (as_float(b) for b in group["betas"])
+            rows.setdefault(item.param.device, []).append(
+                step_scalars(
+                    beta1,
+                    beta2,
+                    as_float(group["eps"]),
+                    as_float(group["lr"]),
+                    as_float(group["weight_decay"]),
+                    int(view.step),
+                    signature.kind == "factored",
+                )
+            )
+        scalars = {dev: iter(torch.tensor(r, dtype=torch.float32, device=dev)) for dev, r in rows.items()}
+        for item, _group, signature in jobs:
+            device = item.param.device
+            view = ParamState.from_dict(self.state[item.param])
+            codebook, lut, thresholds = self._fused_tables(device)
+            kernel = self._kernels.get(signature)
+            # detached views: the graphs were compiled for plain tensors (dynamo guards on requires_grad and strides)
+            param = item.param.detach().view(signature.shape)
+            grad = item.grad.detach().reshape(signature.shape)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            if view.kind == "factored":
+                second = (view.second_moment_row, view.second_moment_col)
+            else:
+                second = (view.second_moment,)
+            kernel(param, grad, view.codes, view.scale, *second, codebook, lut, thresholds, next(scalars[device]))
 
     def _has_state(self, param: Tensor) -> bool:
         # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
@@ -220,13 +371,30 @@ class Gefen(GefenOptimizer):
             )
         return fit_codebook(counts)
 
-    def _nearest_table(self, device: torch.device) -> NearestCodeTable:
-        """The nearest-code table of the codebook on ``device`` (built once per codebook and device)."""
-        table = self._tables.get(device)
-        if table is None:
-            table = build_nearest_table(self._codebook.to(device))
-            self._tables[device] = table
-        return table
+    def _nearest_table(self, device: torch.device, codebook: Tensor | None = None) -> NearestCodeTable:
+        """The nearest-code table of ``codebook`` (default: the published one) on ``device``, built once.
+
+        The cache entry remembers the codebook tensor it was built from and is used only for that very tensor,
+        so a codebook learned in a step that is then refused can never leave a stale table behind.
+        """
+        return self._cached(("table", device), codebook, lambda cb: build_nearest_table(cb.to(device)))
+
+    def _fused_tables(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(codebook, lut as fp32, thresholds)`` of the pending or published codebook on ``device``."""
+
+        def build(codebook: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            table = self._nearest_table(device, codebook)
+            return table.codebook, lookup_table_as_float(table.lut), table.thresholds
+
+        return self._cached(("fused", device), self._pending_codebook, build)
+
+    def _cached(self, key: tuple[str, torch.device], codebook: Tensor | None, build: Callable[[Tensor], Any]) -> Any:
+        codebook = self._codebook if codebook is None else codebook
+        entry = self._tables.get(key)
+        if entry is None or entry[0] is not codebook:
+            entry = (codebook, build(codebook))
+            self._tables[key] = entry
+        return entry[1]
 
     def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
         """Apply §6.2 / §6.4 to one parameter, in chunks of whole blocks (and whole rows when factored).

@@ -1,0 +1,314 @@
+"""One-pass Gefen steps for ``torch.compile``: the whole §6.2 / §6.4 chain of one parameter as a single graph.
+
+These are the compiled twins of the eager path (:mod:`gefen.math.moments` orchestrated by ``Gefen._update``):
+the same equations, written so that inductor fuses them into one or two loops over memory (C++ on CPU, Triton
+on CUDA) instead of a dozen full-size passes. They are pure functions of their inputs except for the explicit
+in-place writes of the parameter and the state tensors at the end; every Python argument after ``*`` is static
+(it selects the graph), every value that changes from step to step (lr, bias corrections, weight decay) arrives
+in the fp32 ``scalars`` tensor, so a new lr or step never recompiles.
+
+Agreement with the eager path (tested in ``tests/optim/test_fused.py``): the first-moment codes and magnitudes
+are identical (same fp32 operations, same fused multiply-add in the EMA, the same exact nearest-code rule);
+second moments differ only by the summation order of the block mean squares (a few ulps); parameters by the
+rounding of ``sqrt`` and of those sums (a few ulps of the update).
+
+Layout of ``scalars`` (fp32, on the parameter's device), built by :func:`step_scalars`:
+
+=====  ==============================  =====================================================
+index  block second moment             factored second moment
+=====  ==============================  =====================================================
+0      ``1 − β1`` (EMA weight)         same
+1      ``β2``                          same
+2      ``1 − β2``                      same
+3      ``ε``                           same
+4      ``1 − η·λ`` (weight decay)      same
+5      ``sqrt(1 − β2^t)``              ``1 − β2^t``
+6      ``1 / (1 − β1^t)``              ``1`` (unused)
+7      ``−η``                          ``−η / (1 − β1^t)``
+=====  ==============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.fma)
+from torch import Tensor
+
+from gefen.math.lookup import LOOKUP_BUCKETS
+from gefen.math.moments import FLOAT32_TINY
+
+__all__ = [
+    "SCALARS",
+    "step_scalars",
+    "lookup_table_as_float",
+    "nearest_code_lut",
+    "quantized_moment",
+    "fused_block_step_",
+    "factored_roots_",
+    "fused_factored_update_",
+]
+
+#: Number of entries of the per-parameter ``scalars`` tensor.
+SCALARS = 8
+
+_fma = torch.ops.prims.fma
+
+
+def step_scalars(
+    beta1: float, beta2: float, eps: float, lr: float, weight_decay: float, step: int, factored: bool
+) -> list[float]:
+    """The 8 per-step constants of one parameter (see the module docstring), as Python floats.
+
+    Computed in float64 exactly as the eager path computes its Python scalars, then rounded to fp32 once by
+    the caller's ``torch.tensor(..., dtype=torch.float32)``.
+
+    Args:
+        beta1, beta2: decays in ``[0, 1)``.
+        eps: ε > 0.
+        lr: η >= 0.
+        weight_decay: λ >= 0.
+        step: the parameter's step counter after increment (``t >= 1``).
+        factored: whether the parameter uses the factored second moment.
+
+    Returns:
+        A list of :data:`SCALARS` floats.
+
+    Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5.
+    """
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    head = [1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * weight_decay]
+    if factored:
+        return head + [bc2, 1.0, -lr * (1.0 / bc1)]
+    return head + [math.sqrt(bc2), 1.0 / bc1, -lr]
+
+
+def lookup_table_as_float(lut: Tensor) -> Tensor:
+    """The int32 bucket table as fp32 (its values are counts ``<= 256``, exact in fp32).
+
+    Compiled CPU kernels gather fp32 tables with one vector instruction where int32 tables take a scalar loop.
+
+    Args:
+        lut: (4097,) int32 from :func:`gefen.math.lookup.build_nearest_table`.
+
+    Returns:
+        (4097,) fp32 on the same device.
+    """
+    return lut.to(torch.float32)
+
+
+def _gather(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` for a small 1-D table, as an embedding look-up (lowered without negative-index wrap)."""
+    return torch.nn.functional.embedding(index, table.unsqueeze(1)).squeeze(-1)
+
+
+def nearest_code_lut(u: Tensor, lut: Tensor, thresholds: Tensor, steps: int) -> Tensor:
+    """Nearest codebook index of every element by bucket table + ``steps`` compares (algorithm.md §4.9).
+
+    Identical to :func:`gefen.math.lookup.nearest_code_fast` (same fp32 bucket arithmetic, same thresholds).
+
+    Args:
+        u: fp32, any shape, values in ``[-1, 1]``.
+        lut: (4097,) fp32 bucket table (:func:`lookup_table_as_float`).
+        thresholds: (K - 1 + steps,) fp32 ascending thresholds padded with ``+inf``.
+        steps: number of compares after the table look-up (static).
+
+    Returns:
+        int32 indices, the shape of ``u``.
+    """
+    bucket = ((u + 1.0) * (LOOKUP_BUCKETS / 2)).to(torch.int32).clamp(0, LOOKUP_BUCKETS - 1)
+    index = _gather(lut, bucket).to(torch.int32)
+    for _ in range(steps):
+        index = index + (_gather(thresholds, index) < u).to(torch.int32)
+    return index
+
+
+def quantized_moment(
+    g: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    weight: Tensor,
+    codebook: Tensor,
+    lut: Tensor,
+    thresholds: Tensor,
+    *,
+    dims: tuple[int, ...],
+    steps: int,
+    lerp_high: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Dequantize → EMA → requantize the first moment of whole blocks (algorithm.md §6.2 steps 5–6).
+
+    ``m = lerp(c[idx]·a, g, w)`` with torch's own vectorised fp32 lerp formula (``w < 0.5``:
+    ``fma(w, g − m, m)``, else ``fma(w − 1, g − m, g)``), ``a = max_j |m_j|``, ``idx = nearest(c, m / a)``
+    (``u = 0`` for a zero block), ``m̂ = c[idx]·a``.
+
+    A block is the set of elements of ``g`` that share an index outside ``dims``; keeping every tensor in one
+    iteration shape lets inductor compute the codes once for both the parameter write and the state write.
+
+    Args:
+        g: fp32 gradient, e.g. (B, P) with ``dims=(1,)`` or (X, Y, Z) with ``dims=(1, 2)``.
+        codes: uint8 current codes, the shape of ``g``.
+        scale: fp32 current magnitudes, ``g``'s shape with size 1 along ``dims`` (keepdim form).
+        weight: 0-dim fp32 EMA weight ``w = 1 − β1``.
+        codebook: (256,) fp32.
+        lut, thresholds, steps: the nearest-code table (:func:`nearest_code_lut`).
+        dims: the block dimensions (static).
+        lerp_high: ``w >= 0.5`` (selects torch's second lerp formula; static).
+
+    Returns:
+        ``(index, new_scale, m_hat)``: int32 like ``g``, fp32 like ``scale``, fp32 like ``g``.
+    """
+    m_old = _gather(codebook, codes.to(torch.int32)) * scale
+    if lerp_high:
+        m = _fma(weight - 1.0, g - m_old, g)
+    else:
+        m = _fma(weight, g - m_old, m_old)
+    new_scale = m.abs().amax(dims, keepdim=True)
+    u = m / torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
+    index = nearest_code_lut(u, lut, thresholds, steps)
+    m_hat = _gather(codebook, index) * new_scale
+    return index, new_scale, m_hat
+
+
+def _write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor) -> None:
+    """``p <- fma(d, step, p·decay)`` in fp32, rounded once to the parameter's dtype, written in place."""
+    work = param.to(torch.float32) * decay
+    param.copy_(_fma(direction, step, work).to(param.dtype))
+
+
+def fused_block_step_(
+    param: Tensor,
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    v: Tensor,
+    codebook: Tensor,
+    lut: Tensor,
+    thresholds: Tensor,
+    scalars: Tensor,
+    *,
+    steps: int,
+    lerp_high: bool,
+) -> None:
+    """One Gefen step of a parameter with the block-shared second moment (algorithm.md §6.2), in place.
+
+    Args:
+        param: (B, P) view of the parameter (fp32, bf16 or fp16), updated in place.
+        grad: (B, P) gradient, any floating dtype (computed in fp32).
+        codes: (B, P) uint8, scale: (B,) fp32, v: (B,) fp32 — the state, updated in place.
+        codebook, lut, thresholds, steps: codebook and nearest-code table.
+        scalars: (8,) fp32, block layout of the module docstring.
+        lerp_high: ``1 − β1 >= 0.5`` (static).
+
+    Source: algorithm.md §6.2; Loshchilov & Hutter 2019 for the decoupled weight decay.
+    """
+    g = grad.to(torch.float32)
+    v_new = _fma(g.square().mean(-1), scalars[2], v * scalars[1])
+    step_size = torch.reciprocal(torch.sqrt(v_new) / scalars[5] + scalars[3]) * scalars[6]
+    index, new_scale, m_hat = quantized_moment(
+        g,
+        codes,
+        scale.unsqueeze(1),
+        scalars[0],
+        codebook,
+        lut,
+        thresholds,
+        dims=(1,),
+        steps=steps,
+        lerp_high=lerp_high,
+    )
+    _write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7])
+    codes.copy_(index.to(torch.uint8))
+    scale.copy_(new_scale.squeeze(1))
+    v.copy_(v_new)
+
+
+def factored_roots_(grad: Tensor, v_row: Tensor, v_col: Tensor, scalars: Tensor, *, dense: bool) -> tuple[Tensor, ...]:
+    """Factored second-moment EMAs (in place) and the bias-corrected root, as two factors or dense.
+
+    ``v_row <- β2·v_row + (1 − β2)·mean_c g²``, ``v_col <- β2·v_col + (1 − β2)·mean_r g²``;
+    ``row = sqrt(v_row / (max(mean(v_row), tiny)·bc2))``, ``col = sqrt(v_col)``, so that
+    ``sqrt(V̂_rc / bc2) = row[r]·col[c]`` (as :func:`gefen.math.moments.factored_root_parts`). A graph of its own
+    (its reductions run over rows and columns, the update's over blocks), so the roots are computed once per
+    row and column, not once per element.
+
+    Args:
+        grad: (R, C) gradient, any floating dtype.
+        v_row: (R,) fp32, v_col: (C,) fp32 — updated in place.
+        scalars: (8,) fp32, factored layout of the module docstring.
+        dense: return the (R, C) denominator ``row[r]·col[c] + ε`` (4 bytes/element, transient) instead of the
+            factors; used when blocks straddle rows (``C % P != 0``), where the update cannot index the row
+            factor in block order with affine indices (static).
+
+    Returns:
+        ``(row, col)``: (R,) and (C,) fp32; or ``(denominator,)``: (R, C) fp32.
+
+    Source: Shazeer & Stern 2018; algorithm.md §6.4 steps 1–5.
+    """
+    square = grad.to(torch.float32).square()
+    v_row_new = _fma(square.mean(1), scalars[2], v_row * scalars[1])
+    v_col_new = _fma(square.mean(0), scalars[2], v_col * scalars[1])
+    normaliser = v_row_new.mean().clamp_min(FLOAT32_TINY) * scalars[5]
+    v_row.copy_(v_row_new)
+    v_col.copy_(v_col_new)
+    row, col = torch.sqrt(v_row_new / normaliser), torch.sqrt(v_col_new)
+    if dense:
+        return (row.unsqueeze(1) * col.unsqueeze(0) + scalars[3],)
+    return row, col
+
+
+def fused_factored_update_(
+    param: Tensor,
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    roots: tuple[Tensor, ...],
+    codebook: Tensor,
+    lut: Tensor,
+    thresholds: Tensor,
+    scalars: Tensor,
+    *,
+    steps: int,
+    lerp_high: bool,
+) -> None:
+    """The factored step's first moment and parameter write (algorithm.md §6.4 steps 5–6), in place.
+
+    ``p <- p·(1 − ηλ) − (η/bc1)·m̂ / (row[r]·col[c] + ε)``, every tensor in the (B, P) block view.
+
+    Args:
+        param: (B, P) view of the (R, C) parameter (fp32, bf16 or fp16), updated in place.
+        grad: (B, P) view of the gradient, any floating dtype.
+        codes: (B, P) uint8, scale: (B,) fp32 — first-moment state, updated in place.
+        roots: :func:`factored_roots_`'s result: ``(row, col)`` — (R,), (C,), only when ``C % P == 0`` (whole
+            blocks inside a row) — or ``(denominator,)`` (R, C).
+        codebook, lut, thresholds, steps: codebook and nearest-code table.
+        scalars: (8,) fp32, factored layout of the module docstring.
+        lerp_high: ``1 − β1 >= 0.5`` (static).
+
+    Source: algorithm.md §6.4.
+    """
+    blocks, period = param.shape
+    if len(roots) == 1:
+        denominator = roots[0].view(blocks, period)
+    else:
+        row, col = roots
+        per_row = col.numel() // period  # blocks per row
+        row_part = row.view(-1, 1, 1).expand(-1, per_row, 1).reshape(blocks, 1)
+        col_part = col.view(1, per_row, period).expand(row.numel(), -1, -1).reshape(blocks, period)
+        denominator = row_part * col_part + scalars[3]
+    index, new_scale, m_hat = quantized_moment(
+        grad.to(torch.float32),
+        codes,
+        scale.unsqueeze(1),
+        scalars[0],
+        codebook,
+        lut,
+        thresholds,
+        dims=(1,),
+        steps=steps,
+        lerp_high=lerp_high,
+    )
+    _write_param_(param, m_hat / denominator, scalars[4], scalars[7])
+    codes.copy_(index.to(torch.uint8))
+    scale.copy_(new_scale.squeeze(1))
