@@ -91,3 +91,45 @@ def test_cuda_low_precision_params_train(dtype):
         losses.append(loss.item())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_compiled_step_matches_eager_step(dtype):
+    """The Triton kernels (fused=True) against the eager twin on the same GPU."""
+    eager_params, fused_params = _params("cuda", dtype), _params("cuda", dtype)
+    eager = gefen.Gefen(eager_params, lr=1e-2, weight_decay=0.1, fused=False)
+    fused = gefen.Gefen(fused_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for s in range(5):
+        for p, q, g in zip(eager_params, fused_params, _grads(eager_params, s)):
+            p.grad, q.grad = g.to("cuda", dtype), g.to("cuda", dtype)
+        eager.step()
+        fused.step()
+    assert len(fused._kernels) > 0 and not fused._kernels.failures
+    for p, q in zip(eager_params, fused_params):
+        codes_e, codes_f = eager.state[p][FIRST_MOMENT_CODES], fused.state[q][FIRST_MOMENT_CODES]
+        assert (codes_e != codes_f).float().mean() < 1e-3  # fp32 division/rounding differences only
+        tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(q.float(), p.float(), rtol=tolerance, atol=1e-5)
+
+
+def test_cuda_compiled_step_never_synchronises_after_the_first_step():
+    """``torch.cuda.set_sync_debug_mode("error")`` turns any host synchronisation into an exception."""
+    params = _params("cuda")
+    opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1, fused=True)
+    grads = [[g.cuda() for g in _grads(params, s)] for s in range(4)]
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()  # period search, codebook and compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(1, 4):
+            for p, g in zip(params, grads[s]):
+                p.grad = g
+            for group in opt.param_groups:
+                group["lr"] *= 0.5  # a scheduler changing the lr must not synchronise either
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(int(opt.state[p]["step"]) == 4 for p in params)

@@ -125,6 +125,8 @@ def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[in
         "opt_step_time_s": float,
         "train_step_time_s": float,
         "peak_rss_bytes": int,
+        "compile_time_s": float,
+        "total_time_s": float,
         "eval_curve": list,
         "train_curve": list,
     }
@@ -135,6 +137,8 @@ def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[in
         assert math.isfinite(result["eval_loss"]) and math.isfinite(result["train_loss"])
         assert 0 < result["opt_step_time_s"] <= result["train_step_time_s"]
         assert result["peak_rss_bytes"] > 50 * 2**20
+        assert result["compile_time_s"] == 0.0  # torch's optimizers compile nothing
+        assert result["total_time_s"] > 30 * result["train_step_time_s"] * 0.9
         assert [step for step, _ in result["eval_curve"]] == [0, 10, 20, 30]
         assert [step for step, _ in result["train_curve"]] == list(range(1, 31))
         initial = result["eval_curve"][0][1]

@@ -131,6 +131,12 @@ def _gefen(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
+def _gefen_eager(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from gefen import Gefen
+
+    return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=False)
+
+
 def _adamw_description() -> str:
     flavour = "fused=True" if _fused_adamw_on_cpu() else "foreach=False (fused CPU kernel unavailable)"
     return f"torch.optim.AdamW({flavour}), betas={BETAS}"
@@ -141,7 +147,10 @@ def _registry() -> dict[str, OptimizerSpec]:
         OptimizerSpec("adamw", _adamw, _ADAMW_LR, "torch.optim.AdamW, fused=True on CPU when supported"),
         OptimizerSpec("adamw-foreach", _adamw_foreach, _ADAMW_LR, f"torch.optim.AdamW(foreach=True), betas={BETAS}"),
         OptimizerSpec("adafactor", _adafactor, 5e-2, "torch.optim.Adafactor; lr caps the relative step size"),
-        OptimizerSpec("gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state), betas={BETAS}"),
+        OptimizerSpec(
+            "gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state; compiled step where available), betas={BETAS}"
+        ),
+        OptimizerSpec("gefen-eager", _gefen_eager, 1e-3, f"gefen.Gefen(fused=False): the eager step, betas={BETAS}"),
     ]
     return {entry.name: entry for entry in entries}
 

@@ -25,6 +25,9 @@ Reported per optimizer (the JSON keys carry units):
 * ``train_step_time_s``: median of forward + backward + clip + ``step()`` + ``zero_grad()``;
 * ``peak_rss_bytes``: peak resident set size of that optimizer's process (-1 where the ``resource`` module
   is missing, i.e. Windows);
+* ``compile_time_s``: seconds spent compiling fused step kernels (``gefen``'s default path; 0 for the others
+  and with ``GEFEN_FUSED=0``), part of the first ``step()``;
+* ``total_time_s``: wall time of that optimizer's whole training and evaluation loop, compilation included;
 * ``eval_curve`` / ``train_curve``: ``[[step, loss], ...]``; eval at step 0, every ``--eval-every`` steps
   and at the last step; train at every step (the loss of the batch before that step's update).
 
@@ -323,6 +326,8 @@ def _train_one(job: _Job) -> dict[str, Any]:
         "_diverged_at_step": diverged_at,
         "_train_time_s": train_time_s,
         "_first_opt_step_time_s": opt_step_times[0],
+        "compile_time_s": float(getattr(optimizer, "compile_time_s", 0.0)),
+        "total_time_s": train_time_s,
     }
 
 
@@ -396,6 +401,8 @@ def _report(
             "opt_step_time_s": float(result["opt_step_time_s"]),
             "train_step_time_s": float(result["train_step_time_s"]),
             "peak_rss_bytes": int(result["peak_rss_bytes"]),
+            "compile_time_s": float(result.get("compile_time_s", 0.0)),
+            "total_time_s": float(result.get("total_time_s", float("nan"))),
             "eval_curve": [[int(s), _finite_or_none(v)] for s, v in result["eval_curve"]],
             "train_curve": [[int(s), _finite_or_none(v)] for s, v in result["train_curve"]],
         }
@@ -534,7 +541,8 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         print(
             f"[{name}] done in {time.perf_counter() - started:.1f} s ({results[name]['_train_time_s']:.1f} s "
-            f"training and eval; first optimizer.step() {results[name]['_first_opt_step_time_s']:.2f} s)",
+            f"training and eval; first optimizer.step() {results[name]['_first_opt_step_time_s']:.2f} s, of which "
+            f"{results[name]['compile_time_s']:.2f} s compiling)",
             flush=True,
         )
     print()

@@ -44,6 +44,18 @@ _CHUNK_ELEMENTS = 1 << 17
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
 
 
+def _constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
+    """The per-step constants as one fp32 tensor on ``device``, without a host synchronisation.
+
+    On accelerators the host tensor is pinned (torch's caching host allocator keeps the block alive until the
+    copy is done) and copied asynchronously, so the step never waits for the device.
+    """
+    host = torch.tensor(rows, dtype=torch.float32)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Gefen(GefenOptimizer):
     r"""AdamW with ~1 byte/param of state: 8-bit codebook first moment, block or factored second moment.
 
@@ -313,7 +325,7 @@ class Gefen(GefenOptimizer):
                     signature.kind == "factored",
                 )
             )
-        scalars = {dev: iter(torch.tensor(r, dtype=torch.float32, device=dev)) for dev, r in rows.items()}
+        scalars = {dev: iter(_constants_on(dev, r)) for dev, r in rows.items()}
         for item, _group, signature in jobs:
             device = item.param.device
             view = ParamState.from_dict(self.state[item.param])
