@@ -61,8 +61,9 @@ def test_codebook_from_a_tiny_first_step_warns():
     bias = list(model.parameters())[-1]
     opt = gefen.Gefen(model.parameters(), lr=1e-2)
     bias.grad = torch.randn(bias.shape)
-    with pytest.warns(UserWarning, match="codebook from the first step's gradients of only 1 parameter"):
+    with pytest.warns(UserWarning, match="codebook from the first step's gradients of only 1 parameter") as record:
         opt.step()
+    assert record[0].filename == __file__  # points at the caller's opt.step() line
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

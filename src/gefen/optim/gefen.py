@@ -201,9 +201,9 @@ class Gefen(GefenOptimizer):
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
         periods = self._search_periods(fresh)  # also refuses non-finite first gradients
         starting = [item for item in fresh if id(item.param) in periods]
-        codebook = self._codebook
+        codebook, codebook_warning = self._codebook, None
         if codebook is None and starting:
-            codebook = self._learn_codebook(starting, periods)
+            codebook, codebook_warning = self._learn_codebook(starting, periods)
         jobs = [
             (item, group)
             for group, work in zip(self.param_groups, plan)
@@ -214,6 +214,8 @@ class Gefen(GefenOptimizer):
         # ---- nothing above has changed the optimizer; from here on the step is applied
         if codebook is not self._codebook:
             self._set_codebook(codebook)
+            if codebook_warning is not None:  # only for a codebook that is kept (not for a refused step)
+                warnings.warn(codebook_warning, stacklevel=4)  # step <- no_grad <- torch step hooks <- caller
         if not any(plan):
             return loss
         zero_code = zero_code_index(codebook) if starting else 0
@@ -366,22 +368,23 @@ class Gefen(GefenOptimizer):
                 periods[id(item.param)] = find_period(g32)
         return periods
 
-    def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> Tensor:
+    def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> tuple[Tensor, str | None]:
+        """The codebook of the first step's gradients, and the warning to give when it is published (if any)."""
         device = starting[0].grad.device
         counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
         for item in starting:
             accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
         active = int((counts > 0).sum())
+        warning = None
         if active < CODEBOOK_SIZE - 1:
             n_elements = sum(item.param.numel() for item in starting)
-            warnings.warn(
+            warning = (
                 f"Gefen learned its codebook from the first step's gradients of only {len(starting)} parameter(s) "
                 f"({n_elements} elements), which fill {active} of the 4096 histogram bins: the 8-bit first moment "
                 f"will have only about {active + 2} distinct levels for the whole run. Make the first step() see "
-                "representative gradients of all the parameters you train (the codebook is frozen after it).",
-                stacklevel=5,  # _learn_codebook <- step <- no_grad <- torch step hooks <- caller
+                "representative gradients of all the parameters you train (the codebook is frozen after it)."
             )
-        return fit_codebook(counts)
+        return fit_codebook(counts), warning
 
     def _nearest_table(self, device: torch.device, codebook: Tensor | None = None) -> NearestCodeTable:
         """The nearest-code table of ``codebook`` (default: the published one) on ``device``, built once.
