@@ -57,6 +57,9 @@ UPDATE_OPTIONS: dict[str, object] = {
 }
 
 
+#: Recompilations allowed per kernel when global state changes between steps (see :meth:`StepKernels.run`).
+RECOMPILE_LIMIT = 64
+
 #: Environment variable that sets what ``fused=None`` means: ``"1"`` (default) compiled where it works, ``"0"``
 #: always eager (e.g. short test runs where compile time would dominate). ``fused=True/False`` ignore it.
 FUSED_ENV = "GEFEN_FUSED"
@@ -181,6 +184,20 @@ class StepKernels:
     def get(self, signature: KernelSignature) -> Callable[..., None] | None:
         """The compiled kernel of ``signature`` if :meth:`prepare` succeeded for it, else ``None``."""
         return self._kernels.get(signature)
+
+    def run(self, signature: KernelSignature, *args: Tensor) -> None:
+        """Run the kernel of a prepared ``signature`` on real tensors.
+
+        Dynamo re-specialises a graph when a guard on global state fails (thread count, autocast, deterministic
+        mode); each code object here is ours alone, so such recompiles are allowed well past dynamo's default
+        limit of 8 (:data:`RECOMPILE_LIMIT`), scoped to this call.
+
+        Raises:
+            KeyError: ``signature`` was not prepared.
+            Exception: whatever a recompilation raises (the caller falls back).
+        """
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            self._kernels[signature](*args)
 
     def prepare(self, signature: KernelSignature, device: torch.device, tables: tuple[Tensor, Tensor, Tensor]) -> None:
         """Compile ``signature`` (once) by running it on scratch tensors; never touches real state.

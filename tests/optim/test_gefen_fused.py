@@ -275,3 +275,99 @@ def test_demo_model_trajectory_matches_eager_for_50_steps() -> None:
     envelope = (nudged - eager).abs().max().item()
     assert drift <= max(envelope, 1e-3), (drift, envelope)
     assert compiled[-1] < compiled[0] - 2.0  # and it trains (5.6 -> ~2.8 nats)
+
+
+def test_kernel_failure_inside_step_completes_the_step_eagerly_then_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recompilation can fail inside step(): the step is still applied whole (eager for the rest), counters stay
+    consistent, and with fused=True the next step is refused before any change."""
+    opt, params = _train(True, steps=1)
+    eager, twins = _train(False, steps=1)
+    real_run, calls = opt._kernels.run, []
+
+    def flaky(signature, *args):  # type: ignore[no-untyped-def]
+        calls.append(signature)
+        if len(calls) == 2:
+            raise RuntimeError("recompilation failed (simulated)")
+        real_run(signature, *args)
+
+    monkeypatch.setattr(opt._kernels, "run", flaky)
+    gen = torch.Generator().manual_seed(5)
+    grads = [_grad(shape, period, gen, torch.float32) for shape, period in SHAPES]
+    for p, q, g in zip(params, twins, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    with pytest.warns(UserWarning, match="failed inside step.*completed on the eager path"):
+        opt.step()
+    eager.step()
+    assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2, 2]
+    for p, q in zip(params, twins):
+        assert torch.equal(opt.state[p]["first_moment_codes"], eager.state[q]["first_moment_codes"])
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(StepError, match="fused=True.*recompilation failed"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2, 2]
+
+
+def test_thread_count_change_recompiles_and_stays_correct() -> None:
+    threads = torch.get_num_threads()
+    try:
+        opt, params = _train(True, steps=1)
+        eager, twins = _train(False, steps=1)
+        gen = torch.Generator().manual_seed(6)
+        for count in (1, threads):
+            torch.set_num_threads(count)  # a guard on global state: dynamo re-specialises the graphs
+            grads = [_grad(shape, period, gen, torch.float32) for shape, period in SHAPES]
+            for p, q, g in zip(params, twins, grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            eager.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert not opt._kernels.failures
+    for p, q in zip(params, twins):
+        assert int(opt.state[p]["step"]) == 3
+        assert torch.equal(opt.state[p]["first_moment_codes"], eager.state[q]["first_moment_codes"])
+
+
+def test_non_contiguous_parameter_and_float64_gradient_run_compiled() -> None:
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=gen)
+    p = base.clone().t().requires_grad_()  # (48, 64), column-major
+    q = torch.nn.Parameter(base.clone().t().contiguous())
+    assert not p.is_contiguous()
+    p.grad_dtype = q.grad_dtype = None  # allow float64 gradients on float32 parameters (torch >= 2.9 checks)
+    opt, twin = gefen.Gefen([p], lr=1e-2, fused=True), gefen.Gefen([q], lr=1e-2, fused=False)
+    for _ in range(2):
+        g = _grad((48, 64), 32, gen, torch.float64)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        twin.step()
+    assert len(opt._kernels) == 1 and opt.compile_time_s > 0
+    assert not p.is_contiguous()  # updated in place, layout kept
+    assert torch.equal(opt.state[p]["first_moment_codes"], twin.state[q]["first_moment_codes"])
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_fused_true_group_with_a_float64_parameter_is_refused_at_step() -> None:
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    opt = gefen.Gefen([p], fused=None)
+    opt.param_groups[0]["fused"] = True  # set by hand after construction
+    p.grad = torch.randn(8, 8, dtype=torch.float64)
+    before = p.detach().clone()
+    with pytest.raises(StepError, match="fused=True.*float64.*Nothing was changed"):
+        opt.step()
+    assert torch.equal(p, before) and opt.codebook is None
+
+
+def test_load_state_dict_keeps_the_live_fused_setting() -> None:
+    eager, params = _train(False, steps=2)
+    saved = eager.state_dict()
+    assert saved["param_groups"][0]["fused"] is False
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = gefen.Gefen(copies, lr=1e-2, weight_decay=0.1, fused=True)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["fused"] is True
+    old = dict(saved, param_groups=[{k: v for k, v in g.items() if k != "fused"} for g in saved["param_groups"]])
+    resumed.load_state_dict(old)  # checkpoints written before the option existed
+    assert resumed.param_groups[0]["fused"] is True

@@ -160,6 +160,17 @@ class Gefen(GefenOptimizer):
         }
         super().__init__(params, defaults)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint (see :class:`gefen.optim._base.GefenOptimizer`), keeping each group's live ``fused``.
+
+        Saved hyperparameters win as in ``torch.optim``, but ``fused`` says how this process runs the step, not
+        how the run trains (both paths give the same state), so a checkpoint never switches it.
+        """
+        live = [group.get("fused") for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, fused in zip(self.param_groups, live):
+            group["fused"] = fused
+
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         if group.get("fused") is not True:
             return
@@ -229,11 +240,11 @@ class Gefen(GefenOptimizer):
                 else:  # all-zero first gradient: only the decoupled decay
                     zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
                     apply_update_(item.param, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
-        self._run_compiled(
+        left = self._run_compiled(
             [(item, group, kernels[id(item.param)]) for item, group in jobs if id(item.param) in kernels]
         )
         for item, group in jobs:
-            if id(item.param) not in kernels:
+            if id(item.param) not in kernels or id(item.param) in left:
                 self._update(item, group)
         self._global_step += 1
         return loss
@@ -248,12 +259,13 @@ class Gefen(GefenOptimizer):
         numel = item.param.numel()
         shape = tuple(item.param.shape) if kind == "factored" else (numel // period, period)
         weight = torch.tensor(1.0 - as_float(group["betas"][0]), dtype=torch.float32)  # torch's lerp branch test
+        grad_dtype = torch.float32 if item.grad.dtype == torch.float64 else item.grad.dtype  # cast in _run_compiled
         return KernelSignature(
             kind,
             shape,
             period,
             item.param.dtype,
-            item.grad.dtype,
+            grad_dtype,
             item.param.device.type,
             self._nearest_table(item.param.device, self._pending_codebook).steps,
             bool(weight.abs() >= 0.5),
@@ -282,10 +294,16 @@ class Gefen(GefenOptimizer):
                         "Gefen(fused=True): torch.compile is unavailable or disabled here (TORCH_COMPILE_DISABLE "
                         "or torch._dynamo.config.disable). Nothing was changed; pass fused=None or fused=False."
                     )
-                if not wanted or not compile_supported() or not item.param.is_contiguous():
+                if not wanted or not compile_supported():
                     continue
                 signature = self._signature(item, group, periods)
                 if not signature.eligible():
+                    if fused:
+                        raise StepError(
+                            f"Gefen(fused=True): {item.name} is {item.param.dtype} on {item.param.device.type}, "
+                            "which the compiled step does not support (float32/bfloat16/float16 on CPU or CUDA). "
+                            "Nothing was changed; put it in a param group with fused=None or fused=False."
+                        )
                     continue
                 try:
                     self._kernels.prepare(signature, item.param.device, self._fused_tables(item.param.device))
@@ -309,12 +327,21 @@ class Gefen(GefenOptimizer):
             self._pending_codebook = None
         return chosen
 
-    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> None:
-        """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy."""
+    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
+        """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.
+
+        A parameter's ``step`` counter moves only after its kernel ran. If a kernel fails here (dynamo recompiles
+        when a guard on global state fails, e.g. another thread count or autocast, and that recompilation can
+        fail), its signature is marked failed, one warning is given, and that parameter and every later one are
+        returned for the eager path, so the step is still applied whole and consistently; with ``fused=True`` the
+        next step is then refused before any change.
+
+        Returns:
+            ``id(param)`` of the parameters left for the eager path.
+        """
         rows: dict[torch.device, list[list[float]]] = {}
         for item, group, signature in jobs:
             view = ParamState.from_dict(self.state[item.param])
-            view.step.add_(1)
             beta1, beta2 = (as_float(b) for b in group["betas"])
             rows.setdefault(item.param.device, []).append(
                 step_scalars(
@@ -323,26 +350,52 @@ class Gefen(GefenOptimizer):
                     as_float(group["eps"]),
                     as_float(group["lr"]),
                     as_float(group["weight_decay"]),
-                    int(view.step),
+                    int(view.step) + 1,
                     signature.kind == "factored",
                 )
             )
         scalars = {dev: iter(_constants_on(dev, r)) for dev, r in rows.items()}
-        for item, _group, signature in jobs:
+        for position, (item, _group, signature) in enumerate(jobs):
             device = item.param.device
             view = ParamState.from_dict(self.state[item.param])
             codebook, lut, thresholds = self._fused_tables(device)
-            kernel = self._kernels.get(signature)
-            # detached views: the graphs were compiled for plain tensors (dynamo guards on requires_grad and strides)
-            param = item.param.detach().view(signature.shape)
-            grad = item.grad.detach().reshape(signature.shape)
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            if view.kind == "factored":
-                second = (view.second_moment_row, view.second_moment_col)
-            else:
-                second = (view.second_moment,)
-            kernel(param, grad, view.codes, view.scale, *second, codebook, lut, thresholds, next(scalars[device]))
+            # plain contiguous tensors: the graphs were compiled for them (dynamo guards on requires_grad, strides)
+            param = item.param.detach()
+            work = param if param.is_contiguous() else param.contiguous()
+            grad = item.grad.detach()
+            if grad.dtype == torch.float64:  # computed in fp32 either way (algorithm.md §6.5)
+                grad = grad.to(torch.float32)
+            grad = grad.reshape(signature.shape).contiguous()
+            second = (
+                (view.second_moment_row, view.second_moment_col) if view.kind == "factored" else (view.second_moment,)
+            )
+            constants = next(scalars[device])
+            try:
+                self._kernels.run(
+                    signature,
+                    work.view(signature.shape),
+                    grad,
+                    view.codes,
+                    view.scale,
+                    *second,
+                    codebook,
+                    lut,
+                    thresholds,
+                    constants,
+                )
+            except Exception as exc:
+                self._kernels.failures[signature] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"Gefen: the compiled step of {item.name} failed inside step() ({type(exc).__name__}: {exc}); "
+                    "this step was completed on the eager path for it and the parameters after it (same math). "
+                    "fused=None keeps using the eager path for this signature; fused=True refuses the next step.",
+                    stacklevel=5,  # _run_compiled <- step <- no_grad <- torch step hooks <- caller
+                )
+                return {id(it.param) for it, _, _ in jobs[position:]}
+            if work is not param:
+                param.copy_(work)
+            view.step.add_(1)
+        return set()
 
     def _has_state(self, param: Tensor) -> bool:
         # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
