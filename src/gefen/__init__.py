@@ -1,10 +1,25 @@
 """Gefen: memory-efficient PyTorch optimizers (~1 byte/param of optimizer state, AdamW-level loss).
 
-Public names: :class:`Gefen` (AdamW drop-in), the error types, and ``__version__``.
+Public names: :class:`Gefen` (AdamW drop-in), :class:`GefenMuon` (Muon with 8-bit momentum),
+:class:`GefenMuonHybrid` (whole-model Muon), :func:`split_params_for_muon`, :func:`validate_split`, the error
+types, and ``__version__``.
 """
 
 from gefen._version import __version__
 from gefen.errors import CheckpointError, ConfigError, GefenError, StepError
 from gefen.optim.gefen import Gefen
+from gefen.optim.hybrid import GefenMuonHybrid, split_params_for_muon, validate_split
+from gefen.optim.muon import GefenMuon
 
-__all__ = ["Gefen", "GefenError", "ConfigError", "CheckpointError", "StepError", "__version__"]
+__all__ = [
+    "Gefen",
+    "GefenMuon",
+    "GefenMuonHybrid",
+    "split_params_for_muon",
+    "validate_split",
+    "GefenError",
+    "ConfigError",
+    "CheckpointError",
+    "StepError",
+    "__version__",
+]

@@ -28,7 +28,7 @@ from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
 from gefen.math.period import PERIOD_SEARCH_VARIANT
-from gefen.state import FIRST_MOMENT_CODES, PERIOD, STEP, SecondMomentKind, state_spec
+from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
 
 __all__ = ["SCHEMA_VERSION", "METADATA_KEY", "build_metadata", "StagedLoad", "stage_load"]
 
@@ -139,8 +139,8 @@ def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, whe
     spec = state_spec(tuple(param.shape), period, kind)
     if set(saved) != set(spec):
         raise CheckpointError(
-            f"{where} has keys {sorted(saved)}, expected {sorted(spec)} for a {kind} second moment "
-            f"(parameter shape {tuple(param.shape)}; is factored_v_2d the same as when it was saved?)."
+            f"{where} has keys {sorted(saved)}, expected {sorted(spec)} for a {kind} state "
+            f"(parameter shape {tuple(param.shape)}; are factored_v_2d / normuon the same as when it was saved?)."
         )
     step = _int_counter(saved[STEP], f"{where}['{STEP}']")
     if step < 1:
@@ -150,6 +150,12 @@ def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, whe
         value = saved[key]
         if key in (STEP, PERIOD):
             staged[key] = torch.tensor(step if key == STEP else period, dtype=torch.int64)
+            continue
+        if key == NORMUON_STEP:
+            count = _int_counter(value, f"{where}['{key}']")
+            if not 0 <= count <= step:
+                raise CheckpointError(f"{where}['{key}']={count} must be in [0, step={step}].")
+            staged[key] = torch.tensor(count, dtype=torch.int64)
             continue
         if not isinstance(value, Tensor):
             raise CheckpointError(f"{where}['{key}'] must be a tensor, got {type(value).__name__}.")

@@ -103,6 +103,17 @@ def check_betas(betas: object, where: str, error: type[Exception] = ConfigError)
     return out[0], out[1]
 
 
+def check_decay_rate(value: object, where: str, error: type[Exception] = ConfigError) -> float:
+    """Validate one EMA decay (Muon ``momentum``, NorMuon ``normuon_beta2``): a real number in ``[0, 1)``.
+
+    Raises:
+        error: not a number or outside ``[0, 1)`` (NaN included).
+    """
+    if not _is_real_number(value) or not (0.0 <= _real(value) < 1.0):
+        raise error(f"{where}={value!r} must be a number in [0, 1); pass e.g. 0.95.")
+    return _real(value)
+
+
 def check_eps(eps: object, where: str, error: type[Exception] = ConfigError) -> float:
     """Validate eps: a finite real ``> 0`` (algorithm.md §13.8).
 

@@ -12,7 +12,12 @@ key                          dtype       shape               meaning
 ``second_moment``            float32     (B,)                block-shared second moment (block kind)
 ``second_moment_row``        float32     (R,)                row mean-square EMA (factored kind, 2-D only)
 ``second_moment_col``        float32     (C,)                column mean-square EMA (factored kind, 2-D only)
+``normuon_v``                float32     (R,)                NorMuon row mean-square EMA (GefenMuon, normuon)
+``normuon_step``             int64       ()                  NorMuon counter (GefenMuon, normuon)
 ===========================  ==========  ==================  ===============================================
+
+GefenMuon's parameters hold no second moment (kind ``"momentum"``; ``"momentum_normuon"`` adds the two NorMuon
+entries).
 
 ``B = numel / P``. Validation of untrusted dicts against this spec lives in :mod:`gefen.checkpoint`; this module
 only declares, builds and measures.
@@ -34,6 +39,8 @@ __all__ = [
     "SECOND_MOMENT",
     "SECOND_MOMENT_ROW",
     "SECOND_MOMENT_COL",
+    "NORMUON_V",
+    "NORMUON_STEP",
     "SecondMomentKind",
     "TensorSpec",
     "state_spec",
@@ -51,9 +58,12 @@ FIRST_MOMENT_SCALE = "first_moment_scale"
 SECOND_MOMENT = "second_moment"
 SECOND_MOMENT_ROW = "second_moment_row"
 SECOND_MOMENT_COL = "second_moment_col"
+NORMUON_V = "normuon_v"
+NORMUON_STEP = "normuon_step"
 
-#: ``"block"``: one second moment per block; ``"factored"``: Adafactor row/column statistics (2-D only).
-SecondMomentKind = Literal["block", "factored"]
+#: ``"block"``: one second moment per block; ``"factored"``: Adafactor row/column statistics (2-D only);
+#: ``"momentum"``: none (GefenMuon); ``"momentum_normuon"``: none, plus NorMuon's row statistics.
+SecondMomentKind = Literal["block", "factored", "momentum", "momentum_normuon"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,8 @@ def state_spec(param_shape: tuple[int, ...], period: int, kind: SecondMomentKind
     Args:
         param_shape: the parameter's shape, ``numel >= 1``.
         period: ``P`` dividing ``numel``.
-        kind: ``"factored"`` (only for 2-D shapes) or ``"block"``.
+        kind: ``"factored"`` (only for 2-D shapes), ``"block"``, ``"momentum"`` or ``"momentum_normuon"``
+            (2-D only).
 
     Returns:
         Ordered mapping key -> :class:`TensorSpec` for every tensor of the state.
@@ -97,13 +108,18 @@ def state_spec(param_shape: tuple[int, ...], period: int, kind: SecondMomentKind
         FIRST_MOMENT_CODES: TensorSpec(torch.uint8, (n_blocks, period)),
         FIRST_MOMENT_SCALE: TensorSpec(torch.float32, (n_blocks,), non_negative=True),
     }
+    if kind in ("factored", "momentum_normuon") and len(param_shape) != 2:
+        raise ValueError(f"a {kind} state needs a 2-D parameter, got shape {tuple(param_shape)}")
     if kind == "factored":
-        if len(param_shape) != 2:
-            raise ValueError(f"factored second moment needs a 2-D parameter, got shape {tuple(param_shape)}")
         spec[SECOND_MOMENT_ROW] = TensorSpec(torch.float32, (param_shape[0],), non_negative=True)
         spec[SECOND_MOMENT_COL] = TensorSpec(torch.float32, (param_shape[1],), non_negative=True)
-    else:
+    elif kind == "block":
         spec[SECOND_MOMENT] = TensorSpec(torch.float32, (n_blocks,), non_negative=True)
+    elif kind == "momentum_normuon":
+        spec[NORMUON_V] = TensorSpec(torch.float32, (param_shape[0],), non_negative=True)
+        spec[NORMUON_STEP] = TensorSpec(torch.int64, ())
+    elif kind != "momentum":
+        raise ValueError(f"unknown state kind {kind!r}")
     return spec
 
 
@@ -132,7 +148,7 @@ def init_state(param: Tensor, period: int, kind: SecondMomentKind, zero_code: in
     """
     state: dict[str, Tensor] = {}
     for key, spec in state_spec(tuple(param.shape), period, kind).items():
-        if key == STEP:
+        if key in (STEP, NORMUON_STEP):
             state[key] = torch.zeros((), dtype=spec.dtype)
         elif key == PERIOD:
             state[key] = torch.tensor(period, dtype=spec.dtype)
@@ -167,8 +183,10 @@ class ParamState:
 
     @property
     def kind(self) -> SecondMomentKind:
-        """``"factored"`` when row/column statistics are held, else ``"block"``."""
-        return "factored" if self.second_moment_row is not None else "block"
+        """``"factored"`` (row/column statistics), ``"block"`` (per-block) or ``"momentum"`` (none)."""
+        if self.second_moment_row is not None:
+            return "factored"
+        return "block" if self.second_moment is not None else "momentum"
 
     @classmethod
     def from_dict(cls, state: dict[str, Tensor]) -> ParamState:

@@ -137,6 +137,66 @@ def _gefen_eager(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=False)
 
 
+#: Muon hybrids: Muon lr (AdamW-scale thanks to ``adjust_lr_fn="match_rms_adamw"``), hidden-weight decay.
+_MUON_LR = 1e-3
+
+
+def _gefen_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from gefen import GefenMuonHybrid
+
+    return GefenMuonHybrid(
+        model, lr=lr, betas=BETAS, muon_weight_decay=WEIGHT_DECAY, backup_weight_decay=0.0, backup_optimizer="gefen"
+    )
+
+
+class _Pair(torch.optim.Optimizer):
+    """Two torch optimizers stepped as one (the ``torch-muon-hybrid`` peer): groups, state and steps of both."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.children = (first, second)
+        self.defaults = first.defaults
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):  # fmt: skip
+            setattr(self, f"_optimizer_{hooks}_hooks", {})
+        self._zero_grad_profile_name = "Optimizer.zero_grad#_Pair.zero_grad"
+        self._patch_step_function()
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for child in self.children for g in child.param_groups]
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, Any]:
+        return {k: v for child in self.children for k, v in child.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.children:
+            child.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None if closure is None else closure()
+        for child in self.children:
+            child.step()
+        return loss
+
+
+def _torch_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from gefen import split_params_for_muon
+
+    muon, backup = split_params_for_muon(model)
+    first = torch.optim.Muon(
+        [p for _, p in muon],
+        lr=lr,
+        weight_decay=WEIGHT_DECAY,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    second = torch.optim.AdamW([p for _, p in backup], lr=lr, betas=BETAS, weight_decay=0.0)
+    return _Pair(first, second)
+
+
 def _adamw_description() -> str:
     flavour = "fused=True" if _fused_adamw_on_cpu() else "foreach=False (fused CPU kernel unavailable)"
     return f"torch.optim.AdamW({flavour}), betas={BETAS}"
@@ -151,6 +211,19 @@ def _registry() -> dict[str, OptimizerSpec]:
             "gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state; compiled step where available), betas={BETAS}"
         ),
         OptimizerSpec("gefen-eager", _gefen_eager, 1e-3, f"gefen.Gefen(fused=False): the eager step, betas={BETAS}"),
+        OptimizerSpec(
+            "gefen-muon-hybrid",
+            _gefen_muon_hybrid,
+            _MUON_LR,
+            "gefen.GefenMuonHybrid: GefenMuon (tuned3 + NorMuon, match_rms_adamw) on 2-D hidden weights, "
+            f"Gefen on the rest, betas={BETAS}",
+        ),
+        OptimizerSpec(
+            "torch-muon-hybrid",
+            _torch_muon_hybrid,
+            _MUON_LR,
+            "torch.optim.Muon (match_rms_adamw) on the same 2-D hidden weights + torch.optim.AdamW on the rest",
+        ),
     ]
     return {entry.name: entry for entry in entries}
 

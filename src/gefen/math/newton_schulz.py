@@ -1,0 +1,164 @@
+"""Muon's orthogonalisation: the quintic Newton–Schulz iteration in bf16, its schedules, NorMuon and the
+learning-rate shape ratio.
+
+Symbols (algorithm.md §7): ``U`` the (Nesterov) momentum of a 2-D parameter ``(R, C)``, ``O = NS(U)`` its
+approximate orthogonalisation (singular values pushed towards 1), ``(a, b, c)`` the coefficients of one
+iteration ``X <- a·X + (b·A + c·A²)·X`` with ``A = X·Xᵀ``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "NS_SCHEDULES",
+    "STANDARD_COEFFICIENTS",
+    "resolve_schedule",
+    "newton_schulz",
+    "normuon_",
+    "adjust_lr_ratio",
+    "ADJUST_LR_FNS",
+]
+
+#: Coefficients of the classic Muon iteration (Jordan et al. 2024), applied ``ns_steps`` times.
+STANDARD_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: Named fixed schedules (algorithm.md §7.2): each fixes its own iteration count.
+NS_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "tuned3": ((5.0067, -14.4125, 10.6001), (3.7534, -6.8083, 3.3840), (3.2080, -4.3501, 2.0330)),
+    "tuned4": (
+        (5.4261, -15.5285, 11.2657),
+        (3.0766, -4.9701, 2.1297),
+        (3.0008, -6.4486, 4.3696),
+        (2.8386, -4.1421, 2.5758),
+    ),
+}
+
+#: Accepted ``adjust_lr_fn`` values.
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def resolve_schedule(
+    ns_schedule: str | Sequence[Sequence[float]] | None, ns_steps: int
+) -> tuple[tuple[float, float, float], ...]:
+    """The list of ``(a, b, c)`` iterations a ``(ns_schedule, ns_steps)`` setting means.
+
+    Args:
+        ns_schedule: ``None`` or ``"standard"`` (``STANDARD_COEFFICIENTS`` × ``ns_steps``), ``"tuned3"``,
+            ``"tuned4"``, or an explicit list of 1..99 ``(a, b, c)`` triples of finite numbers.
+        ns_steps: iterations of the standard schedule, ``1 <= ns_steps < 100`` (ignored by the others).
+
+    Returns:
+        A tuple of float triples.
+
+    Raises:
+        ValueError: unknown name, bad ``ns_steps``, malformed or non-finite triples, empty or too long list.
+        TypeError: ``ns_steps`` is not an int.
+
+    Source: algorithm.md §7.2.
+    """
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise TypeError(f"ns_steps={ns_steps!r} must be an int")
+    if ns_schedule is None or ns_schedule == "standard":
+        if not 1 <= ns_steps < 100:
+            raise ValueError(f"ns_steps={ns_steps} must be in [1, 100)")
+        return (STANDARD_COEFFICIENTS,) * ns_steps
+    if isinstance(ns_schedule, str):
+        if ns_schedule not in NS_SCHEDULES:
+            raise ValueError(
+                f"unknown ns_schedule {ns_schedule!r}; use 'standard', 'tuned3', 'tuned4' or a list of (a, b, c)"
+            )
+        return NS_SCHEDULES[ns_schedule]
+    steps = list(ns_schedule)
+    if not 1 <= len(steps) < 100:
+        raise ValueError(f"an explicit ns_schedule needs 1..99 (a, b, c) triples, got {len(steps)}")
+    resolved = []
+    for i, triple in enumerate(steps):
+        values = tuple(float(x) for x in triple)
+        if len(values) != 3 or not all(math.isfinite(x) for x in values):
+            raise ValueError(f"ns_schedule[{i}]={triple!r} must be three finite numbers (a, b, c)")
+        resolved.append(values)
+    return tuple(resolved)  # type: ignore[return-value]
+
+
+def newton_schulz(update: Tensor, schedule: Sequence[tuple[float, float, float]], eps: float) -> Tensor:
+    """Approximately orthogonalise a matrix with the quintic Newton–Schulz iteration, in bf16.
+
+    ``X = U / max(‖U‖_F, eps)`` (on the wide orientation, rows <= cols), then per ``(a, b, c)``:
+    ``A = X·Xᵀ``, ``M = b·A + c·A·A`` (one ``addmm``), ``X = a·X + M·X`` (one ``addmm``) — the grouping of
+    algorithm.md §7.2, which matters in bf16.
+
+    Args:
+        update: (R, C) any floating dtype.
+        schedule: iterations from :func:`resolve_schedule`.
+        eps: > 0; floor of the Frobenius norm (an all-zero input gives zeros, not NaN).
+
+    Returns:
+        (R, C) bf16.
+
+    Source: Jordan et al. 2024 (Muon); algorithm.md §7.2.
+    """
+    x = update.to(torch.bfloat16)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.mT
+    x = x / x.norm().clamp_min(eps)
+    for a, b, c in schedule:
+        gram = x @ x.mT
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.mT if transposed else x
+
+
+def normuon_(update: Tensor, v: Tensor, step: int, beta: float, eps: float) -> Tensor:
+    """NorMuon row normalisation of an orthogonalised update, in place; updates the row second moment.
+
+    ``n_r = ‖O_r‖₂`` (fp32); ``v_r <- β·v_r + (1−β)·n_r²/C``; ``d_r = sqrt(v_r / (1 − β^t)) + ε``;
+    ``φ = sqrt(Σ n_r²) / max(sqrt(Σ (n_r/d_r)²), tiny)``; ``O_r <- O_r · φ / d_r``. ``φ`` restores the
+    Frobenius norm of ``O``, so the lr calibration of ``adjust_lr_fn`` is unchanged.
+
+    Args:
+        update: (R, C) ``O`` (bf16 or fp32), modified in place.
+        v: (R,) fp32 row EMA, modified in place.
+        step: NorMuon counter after increment (``t >= 1``).
+        beta: ``β ∈ [0, 1)``.
+        eps: ``ε > 0``.
+
+    Returns:
+        ``update``.
+
+    Source: algorithm.md §7.4.
+    """
+    norms = update.float().norm(dim=1)
+    v.mul_(beta).add_(norms.square() / update.shape[1], alpha=1.0 - beta)
+    denom = (v / (1.0 - beta**step)).sqrt_().add_(eps)
+    scaled = (norms / denom).square().sum().sqrt().clamp_min(1.1754943508222875e-38)
+    phi = norms.square().sum().sqrt() / scaled
+    return update.mul_((phi / denom).unsqueeze(1).to(update.dtype))
+
+
+def adjust_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Shape factor applied to Muon's lr: ``η_adj = η·ratio``.
+
+    Args:
+        adjust_lr_fn: ``None``/``"original"`` → ``sqrt(max(1, R/C))``; ``"match_rms_adamw"`` →
+            ``0.2·sqrt(max(R, C))`` (update RMS comparable to AdamW's).
+        rows, cols: ``R``, ``C`` of the parameter.
+
+    Returns:
+        The ratio (float).
+
+    Raises:
+        ValueError: another ``adjust_lr_fn``.
+
+    Source: algorithm.md §7.6.
+    """
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r} must be None, 'original' or 'match_rms_adamw'")

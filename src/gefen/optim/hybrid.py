@@ -1,0 +1,388 @@
+"""``GefenMuonHybrid``: whole-model Muon — 2-D hidden weights on :class:`GefenMuon`, the rest on a backup
+(:class:`Gefen` or ``torch.optim.AdamW``) — behaving as one ``torch.optim.Optimizer``.
+
+Routing (algorithm.md §8.1): a trainable parameter goes to Muon iff it is 2-D, is not the weight of an
+``nn.Embedding``/``nn.EmbeddingBag`` (matched by tensor identity, so a head tied to the embedding is caught) and
+its lower-cased name contains none of the backup substrings; everything else (embeddings, heads, norms,
+biases, 0-D and N-D tensors) goes to the backup.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gefen.checkpoint import stage_load
+from gefen.errors import CheckpointError, ConfigError
+from gefen.optim.gefen import Gefen
+from gefen.optim.muon import GefenMuon
+
+__all__ = [
+    "DEFAULT_BACKUP_SUBSTRINGS",
+    "BACKUP_OPTIMIZERS",
+    "split_params_for_muon",
+    "validate_split",
+    "GefenMuonHybrid",
+]
+
+#: Name fragments (lower case) that send a 2-D parameter to the backup (algorithm.md §8.1).
+DEFAULT_BACKUP_SUBSTRINGS = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+
+#: Accepted ``backup_optimizer`` values.
+BACKUP_OPTIMIZERS = ("gefen", "adamw")
+
+Named = list[tuple[str, Tensor]]
+
+
+def _is_muon(name: str, param: Tensor, embedding_ids: set[int], substrings: Sequence[str]) -> bool:
+    lowered = name.lower()
+    return param.dim() == 2 and id(param) not in embedding_ids and not any(s in lowered for s in substrings)
+
+
+def split_params_for_muon(
+    model_or_named: nn.Module | Iterable[tuple[str, Tensor]],
+    backup_substrings: Sequence[str] = DEFAULT_BACKUP_SUBSTRINGS,
+) -> tuple[Named, Named]:
+    """Split trainable parameters into the Muon half and the backup half.
+
+    Args:
+        model_or_named: an ``nn.Module`` (module-type aware: embedding weights are caught by identity, so a tied
+            head is too) or an iterable of ``(name, parameter)`` pairs (name and ``ndim`` only).
+        backup_substrings: lower-case name fragments that force the backup.
+
+    Returns:
+        ``(muon, backup)``: lists of ``(name, parameter)``, in ``named_parameters`` order; frozen parameters
+        (``requires_grad=False``) are left out.
+
+    Raises:
+        TypeError: bare tensors instead of ``(name, tensor)`` pairs.
+
+    Source: algorithm.md §8.1.
+    """
+    substrings = tuple(s.lower() for s in backup_substrings)
+    if isinstance(model_or_named, nn.Module):
+        embedding_ids = {
+            id(m.weight) for m in model_or_named.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        }
+        named = list(model_or_named.named_parameters())
+    else:
+        embedding_ids = set()
+        named = list(model_or_named)
+        for item in named:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(
+                    "split_params_for_muon needs an nn.Module or (name, tensor) pairs, e.g. "
+                    f"model.named_parameters(); got {type(item).__name__}."
+                )
+    muon, backup = [], []
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        (muon if _is_muon(name, param, embedding_ids, substrings) else backup).append((name, param))
+    return muon, backup
+
+
+def validate_split(muon: Named, backup: Named, model: nn.Module | None = None) -> None:
+    """Check a Muon/backup split: every trainable parameter in exactly one half, names unique.
+
+    Args:
+        muon, backup: lists of ``(name, tensor)``.
+        model: when given, every trainable parameter of it must be covered.
+
+    Raises:
+        TypeError: an item is not a ``(str, Tensor)`` pair.
+        ValueError: a parameter twice in one list or in both, names not unique (case-insensitive), or a
+            trainable parameter of ``model`` missing.
+
+    Source: algorithm.md §8.1.
+    """
+    seen: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for half, items in (("muon", muon), ("backup", backup)):
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"{half} items must be (name, tensor) pairs, got {item!r:.80}")
+            name, param = item
+            if not isinstance(param, Tensor):
+                raise TypeError(f"{half} item {name!r} holds a {type(param).__name__}, not a tensor")
+            if id(param) in seen:
+                where = seen[id(param)]
+                raise ValueError(
+                    f"parameter {name!r} appears twice ({where} and {half}); each parameter belongs to one half"
+                )
+            seen[id(param)] = half
+            key = name.lower()
+            if key in names:
+                raise ValueError(f"parameter name {name!r} is not unique (also {names[key]!r}, case-insensitive)")
+            names[key] = name
+    if model is not None:
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise ValueError(f"trainable parameters in neither half: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+class _GroupsView(list):  # type: ignore[type-arg]
+    """``param_groups`` of the hybrid: the children's groups (live dicts), read-only as a list."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("GefenMuonHybrid.param_groups is a view of its two children; change the groups' dicts.")
+
+    append = extend = insert = remove = pop = clear = __setitem__ = __delitem__ = __iadd__ = _refuse  # type: ignore[assignment]
+
+
+class _StateView(MutableMapping):  # type: ignore[type-arg]
+    """``state`` of the hybrid: reads and writes go to the child that owns the parameter."""
+
+    def __init__(self, owner: GefenMuonHybrid) -> None:
+        self._owner = owner
+
+    def _child(self, key: Any) -> torch.optim.Optimizer:
+        for child in self._owner._children():
+            if any(key is p for g in child.param_groups for p in g["params"]):
+                return child
+        raise KeyError(f"{type(key).__name__} is not a parameter of this GefenMuonHybrid")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._child(key).state[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._child(key).state[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._child(key).state[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        for child in self._owner._children():
+            yield from child.state
+
+    def __len__(self) -> int:
+        return sum(len(child.state) for child in self._owner._children())
+
+
+class GefenMuonHybrid(torch.optim.Optimizer):
+    """Whole-model Muon: :class:`GefenMuon` for 2-D hidden weights, Gefen or AdamW for everything else.
+
+    Behaves as one ``torch.optim.Optimizer``: ``param_groups`` is a live view of the Muon child's groups then
+    the backup's (LR schedulers work; the hybrid's ``lr`` is the Muon lr, ``backup_lr`` the backup's);
+    ``state`` routes to the owning child; ``step(closure)`` runs the closure once, validates both children's
+    gradients, then steps the Muon child first and the backup second; ``zero_grad`` forwards;
+    ``state_dict()`` is ``{"muon": ..., "backup": ..., "backup_optimizer": "gefen"|"adamw"}`` and
+    ``load_state_dict`` validates both halves before either changes.
+
+    Args:
+        model_or_named_params: an ``nn.Module`` (routing by module type and name) or ``(name, param)`` pairs
+            (routing by name and ndim), split by :func:`split_params_for_muon`.
+        lr: Muon's lr η (with ``adjust_lr_fn="match_rms_adamw"`` an AdamW-scale value fits).
+        backup_optimizer: ``"gefen"`` (block second moment, ``factored_v_2d=False`` as algorithm.md §8.2) or
+            ``"adamw"`` (``torch.optim.AdamW``).
+        backup_lr: the backup's lr (default ``lr``).
+        weight_decay, muon_weight_decay, backup_weight_decay: decoupled decay (the specific ones default to
+            ``weight_decay``).
+        betas, eps: the backup's Adam betas and eps (Muon keeps its own eps 1e-7).
+        momentum, nesterov, ns_steps, ns_schedule, adjust_lr_fn, normuon, normuon_beta2, normuon_eps: Muon
+            options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``, ``normuon=True``,
+            ``adjust_lr_fn="match_rms_adamw"``.
+        backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
+
+    Raises:
+        ConfigError: no trainable parameter, an unknown ``backup_optimizer``, invalid hyperparameters.
+        TypeError: bare tensors instead of a model or ``(name, param)`` pairs.
+
+    Source: algorithm.md §8.
+    """
+
+    def __init__(
+        self,
+        model_or_named_params: nn.Module | Iterable[tuple[str, Tensor]],
+        *,
+        lr: float,
+        backup_optimizer: str = "gefen",
+        backup_lr: float | None = None,
+        weight_decay: float = 0.0,
+        muon_weight_decay: float | None = None,
+        backup_weight_decay: float | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_schedule: str | Sequence[Sequence[float]] | None = "tuned3",
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        normuon: bool = True,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        backup_substrings: Sequence[str] = DEFAULT_BACKUP_SUBSTRINGS,
+    ) -> None:
+        if backup_optimizer not in BACKUP_OPTIMIZERS:
+            raise ConfigError(f"backup_optimizer={backup_optimizer!r} must be one of {BACKUP_OPTIMIZERS}.")
+        muon, backup = split_params_for_muon(model_or_named_params, backup_substrings)
+        validate_split(muon, backup, model_or_named_params if isinstance(model_or_named_params, nn.Module) else None)
+        if not muon and not backup:
+            raise ConfigError("GefenMuonHybrid got no trainable parameter.")
+        if adjust_lr_fn in (None, "original"):
+            warnings.warn(
+                "GefenMuonHybrid with adjust_lr_fn='original' scales Muon's lr by sqrt(max(1, R/C)) only: an "
+                "AdamW-scale lr will be far too small for Muon; 'match_rms_adamw' (the default) fixes that.",
+                stacklevel=2,
+            )
+        self.backup_optimizer = backup_optimizer
+        wd = weight_decay
+        self.muon: GefenMuon | None = None
+        self.backup: torch.optim.Optimizer | None = None
+        if muon:
+            self.muon = GefenMuon(
+                muon,
+                lr=lr,
+                weight_decay=wd if muon_weight_decay is None else muon_weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                ns_schedule=ns_schedule,
+                adjust_lr_fn=adjust_lr_fn,
+                normuon=normuon,
+                normuon_beta2=normuon_beta2,
+                normuon_eps=normuon_eps,
+            )
+        if backup:
+            blr = lr if backup_lr is None else backup_lr
+            bwd = wd if backup_weight_decay is None else backup_weight_decay
+            if backup_optimizer == "gefen":
+                self.backup = Gefen(backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False)
+            else:
+                self.backup = torch.optim.AdamW(
+                    [{"params": [p for _, p in backup], "param_names": [n for n, _ in backup]}],
+                    lr=blr,
+                    betas=betas,
+                    eps=eps,
+                    weight_decay=bwd,
+                )
+        first = self._children()[0]
+        self.defaults = first.defaults
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._zero_grad_profile_name = "Optimizer.zero_grad#GefenMuonHybrid.zero_grad"
+        self._patch_step_function()
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs: Any) -> GefenMuonHybrid:
+        """``GefenMuonHybrid(model, **kwargs)``: routing by module type and name (see the class docstring)."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"from_model needs an nn.Module, got {type(model).__name__}")
+        return cls(model, **kwargs)
+
+    def _children(self) -> list[torch.optim.Optimizer]:
+        return [c for c in (self.muon, self.backup) if c is not None]
+
+    # ------------------------------------------------------------------ torch.optim surface
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The Muon child's groups followed by the backup's (the children's own dicts)."""
+        return _GroupsView(g for c in self._children() for g in c.param_groups)
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        raise TypeError("GefenMuonHybrid.param_groups cannot be assigned; it is a view of the two children.")
+
+    @property  # type: ignore[override]
+    def state(self) -> _StateView:
+        """Per-parameter state, routed to the owning child."""
+        return _StateView(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        raise TypeError("GefenMuonHybrid.state cannot be assigned; load a state_dict instead.")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: add the group to ``hybrid.muon`` or ``hybrid.backup`` directly."""
+        raise NotImplementedError(
+            "GefenMuonHybrid.add_param_group: add the group to hybrid.muon or hybrid.backup (2-D hidden weights "
+            "to the Muon child, everything else to the backup)."
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forward to both children."""
+        for child in self._children():
+            child.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure once, validate both children's gradients, then step Muon and then the backup.
+
+        Raises:
+            StepError: a gradient of either half is invalid (nothing changed in either).
+            ConfigError: an invalid hyperparameter in either half.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for child in self._children():  # preflight both halves before either changes
+            if isinstance(child, Gefen):
+                child._prepare()
+        for child in self._children():
+            child.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name}``."""
+        return {
+            "muon": None if self.muon is None else self.muon.state_dict(),
+            "backup": None if self.backup is None else self.backup.state_dict(),
+            "backup_optimizer": self.backup_optimizer,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a hybrid checkpoint; both halves are validated before either changes.
+
+        Raises:
+            CheckpointError: not a hybrid checkpoint, another backup backend, a half present in one and missing in
+                the other, or a half that fails its own validation.
+        """
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"muon", "backup", "backup_optimizer"}:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise CheckpointError(
+                f"not a GefenMuonHybrid checkpoint (keys {keys}); expected 'muon', 'backup', 'backup_optimizer'."
+            )
+        if state_dict["backup_optimizer"] != self.backup_optimizer:
+            raise CheckpointError(
+                f"checkpoint's backup optimizer is {state_dict['backup_optimizer']!r}, this hybrid's "
+                f"{self.backup_optimizer!r}; build the hybrid with backup_optimizer={state_dict['backup_optimizer']!r}."
+            )
+        for half, child in (("muon", self.muon), ("backup", self.backup)):
+            if (state_dict[half] is None) != (child is None):
+                raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")
+        # stage: validate each half on a throw-away twin before touching the real children
+        for half, child in (("muon", self.muon), ("backup", self.backup)):
+            if child is not None:
+                _validate_on_twin(child, state_dict[half], half)
+        for half, child in (("muon", self.muon), ("backup", self.backup)):
+            if child is not None:
+                child.load_state_dict(state_dict[half])
+
+
+def _validate_on_twin(child: torch.optim.Optimizer, half: Any, name: str) -> None:
+    """Load ``half`` into a fresh optimizer of the same kind on the same parameters (no state is shared)."""
+    try:
+        if isinstance(child, Gefen):
+            stage_load(
+                half,
+                optimizer_kind=child.kind,
+                live_groups=child.param_groups,
+                second_moment_kind=child._second_moment_kind,
+                codebook_device=child._codebook_device(),
+            )
+        else:
+            twin = type(child)([dict(g, params=list(g["params"])) for g in child.param_groups])
+            twin.load_state_dict(half)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name} half: {exc}") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{name} half does not fit: {type(exc).__name__}: {exc}") from exc

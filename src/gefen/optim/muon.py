@@ -1,0 +1,193 @@
+"""``GefenMuon``: Muon (Newton–Schulz-orthogonalised momentum) with Gefen's 8-bit codebook momentum."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.errors import ConfigError
+from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, refuse_torch_only_options
+from gefen.math.moments import apply_update_, update_quantized_moment
+from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
+from gefen.optim._base import WorkItem
+from gefen.optim.gefen import Gefen
+from gefen.state import NORMUON_STEP, NORMUON_V, ParamState, SecondMomentKind
+
+__all__ = ["GefenMuon"]
+
+
+class GefenMuon(Gefen):
+    r"""Muon with ~1 byte/param of state: 8-bit codebook momentum, Newton–Schulz in bf16, optional NorMuon.
+
+    For a 2-D parameter ``W`` (R×C) with gradient ``G`` (fp32), momentum ``β``, at each step:
+
+    .. math::
+
+        m &= \operatorname{lerp}(c[\mathrm{idx}]\,a,\; G,\; 1-\beta),\quad a_b = \max_{j\in b}|m_j|,\quad
+            \mathrm{idx} = \operatorname{nearest}(c, m/a),\quad \hat m = c[\mathrm{idx}]\,a\\
+        U &= \beta\hat m + (1-\beta)G \ \text{(Nesterov; else } U = \hat m)\\
+        O &= \mathrm{NS}(U) \ \text{(bf16; then NorMuon row normalisation if enabled)}\\
+        W &\leftarrow W(1-\eta\lambda) - \eta\,r(R, C)\,O
+
+    with ``r`` the ``adjust_lr_fn`` ratio. The quantized momentum (period search, codebook, block magnitudes)
+    is Gefen's machinery; there is no second moment and no bias correction. Source: arXiv 2606.13894 and
+    Jordan et al. 2024 (Muon); algorithm.md §7 and §13.7.
+
+    State per parameter: uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, int64 ``step`` and ``period``, and
+    with ``normuon=True`` an fp32 ``(R,)`` row EMA plus its counter: about ``1 + 4/P (+ 4/C)`` bytes/param.
+    The codebook (256 fp32) is the optimizer's own, learned on the first step from every parameter's gradient.
+
+    Args:
+        params: 2-D tensors, ``(name, tensor)`` pairs or param-group dicts. Anything that is not 2-D
+            (embeddings are 2-D but belong to the backup: use :class:`gefen.GefenMuonHybrid`; biases, norms,
+            conv weights, flattened 1-D shards of ZeRO-style wrappers) is refused.
+        lr: η >= 0 (float or 1-element tensor).
+        weight_decay: λ >= 0, decoupled, with the raw lr.
+        momentum: β in ``[0, 1)``.
+        nesterov: use the Nesterov combination ``U = β·m̂ + (1−β)·G``.
+        ns_steps: iterations of the ``standard`` schedule, ``1 <= ns_steps < 100``.
+        eps: > 0, floor of the Frobenius norm in Newton–Schulz.
+        ns_schedule: ``None``/``"standard"``, ``"tuned3"``, ``"tuned4"`` or a list of ``(a, b, c)``.
+        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, R/C))``) or ``"match_rms_adamw"``
+            (``0.2·sqrt(max(R, C))``, so an AdamW-scale lr fits).
+        normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4).
+        normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
+        normuon_eps: NorMuon ε > 0.
+        fused: ``None`` or ``False`` (the compiled fast path covers ``Gefen`` only for now).
+
+    Raises:
+        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True``.
+        TypeError: a non-bool flag, a non-int ``ns_steps``, an unknown keyword.
+    """
+
+    kind = "GefenMuon"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        eps: float = 1e-7,
+        *,
+        ns_schedule: str | Sequence[Sequence[float]] | None = None,
+        adjust_lr_fn: str | None = None,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        fused: bool | None = None,
+        **torch_options: Any,
+    ) -> None:
+        refuse_torch_only_options("GefenMuon", torch_options)
+        for flag, value in (("nesterov", nesterov), ("normuon", normuon)):
+            if not isinstance(value, bool):
+                raise TypeError(f"GefenMuon {flag}={value!r} must be a bool (True or False).")
+        if fused is True:
+            raise ConfigError(
+                "GefenMuon(fused=True): the compiled fast path covers Gefen only for now; pass fused=None."
+            )
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "eps": eps,
+            "ns_schedule": ns_schedule,
+            "adjust_lr_fn": adjust_lr_fn,
+            "normuon": normuon,
+            "normuon_beta2": normuon_beta2,
+            "normuon_eps": normuon_eps,
+            "fused": False,
+        }
+        _check_muon_group(defaults, "GefenMuon")
+        super(Gefen, self).__init__(params, defaults)
+
+    # ------------------------------------------------------------------ hooks of the shared machinery
+    def _check_group(self, group: Mapping[str, Any], index: int) -> None:
+        _check_muon_group(group, f"GefenMuon param_groups[{index}]")
+
+    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+        _check_muon_group(group, where)
+        for i, tensor in enumerate(tensors):
+            if tensor.dim() != 2:
+                raise ConfigError(
+                    f"{where}['params'][{i}] has shape {tuple(tensor.shape)}; GefenMuon optimizes 2-D hidden "
+                    "weights only. Use gefen.GefenMuonHybrid (Muon for 2-D hidden weights, Gefen or AdamW for "
+                    "embeddings, heads, norms, biases and the rest), which also catches flattened 1-D shards."
+                )
+
+    def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
+        return "momentum_normuon" if group.get("normuon", False) else "momentum"
+
+    def _compile_jobs(self, jobs: Any, codebook: Any, periods: Any) -> dict[int, Any]:
+        return {}  # eager only (see ``fused``)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of a ``GefenMuon`` (validated in full before anything changes)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["fused"] = False
+
+    # ------------------------------------------------------------------ the Muon update
+    def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+        """Apply algorithm.md §7.1 to one 2-D parameter."""
+        state = self.state[item.param]
+        view = ParamState.from_dict(state)
+        beta = as_float(group["momentum"])
+        rows, cols = item.param.shape
+        grad = item.grad.to(torch.float32)
+        moment = update_quantized_moment(
+            view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(item.param.device), beta
+        )
+        view.codes.copy_(moment.codes)
+        view.scale.copy_(moment.scale)
+        view.step.add_(1)
+        m_hat = moment.m_hat.view(rows, cols)
+        update = m_hat.mul_(beta).add_(grad, alpha=1.0 - beta) if group["nesterov"] else m_hat
+        schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"])
+        orthogonal = newton_schulz(update, schedule, as_float(group["eps"]))
+        if group["normuon"]:
+            if NORMUON_V not in state:  # turned on after the state was created
+                state[NORMUON_V] = torch.zeros(rows, dtype=torch.float32, device=item.param.device)
+                state[NORMUON_STEP] = torch.zeros((), dtype=torch.int64)
+            state[NORMUON_STEP].add_(1)
+            normuon_(
+                orthogonal,
+                state[NORMUON_V],
+                int(state[NORMUON_STEP]),
+                as_float(group["normuon_beta2"]),
+                as_float(group["normuon_eps"]),
+            )
+        else:
+            state.pop(NORMUON_V, None)
+            state.pop(NORMUON_STEP, None)
+        ratio = adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+        apply_update_(item.param, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
+
+
+def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
+    """Validate the Muon options present in ``group`` (raises ConfigError; TypeError for non-int ns_steps)."""
+    if "momentum" in group:
+        check_decay_rate(group["momentum"], f"{where}['momentum']")
+    if "normuon_beta2" in group:
+        check_decay_rate(group["normuon_beta2"], f"{where}['normuon_beta2']")
+    if "normuon_eps" in group:
+        check_eps(group["normuon_eps"], f"{where}['normuon_eps']")
+    for flag in ("nesterov", "normuon"):
+        if flag in group:
+            check_bool(group[flag], f"{where}['{flag}']")
+    if group.get("adjust_lr_fn") not in ADJUST_LR_FNS:
+        raise ConfigError(
+            f"{where}['adjust_lr_fn']={group.get('adjust_lr_fn')!r} must be None, 'original' or 'match_rms_adamw'."
+        )
+    if "ns_steps" in group or "ns_schedule" in group:
+        try:
+            resolve_schedule(group.get("ns_schedule"), group.get("ns_steps", 5))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,381 @@
+"""GefenMuon and GefenMuonHybrid: Newton–Schulz bands, lr ratios, NorMuon, routing, composition, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gefen
+from gefen.errors import CheckpointError, ConfigError
+from gefen.math.newton_schulz import adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
+
+
+# ---------------------------------------------------------------------------------------------- Newton–Schulz
+@pytest.mark.parametrize(
+    ("schedule", "low", "high"),
+    [("standard", 0.66, 1.16), ("tuned3", 0.87, 1.13), ("tuned4", 0.98, 1.02)],
+)
+@pytest.mark.parametrize("shape", [(512, 128), (128, 512)])
+def test_newton_schulz_singular_value_bands(schedule: str, low: float, high: float, shape: tuple[int, int]) -> None:
+    """algorithm.md §12.7: Gaussian 512x128 inputs land in [0.68, 1.14] / [0.89, 1.11] / [0.99, 1.01]."""
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    out = newton_schulz(u, resolve_schedule(schedule, 5), 1e-7)
+    assert out.dtype == torch.bfloat16 and out.shape == shape
+    singular = torch.linalg.svdvals(out.double())  # fp64 SVD reference
+    assert low <= singular.min().item() and singular.max().item() <= high
+    # the input's singular values spread over a factor of ~3; NS collapses them towards 1
+    spread = torch.linalg.svdvals(u.double())
+    assert spread.max() / spread.min() > 2.5
+
+
+def test_newton_schulz_square_input_and_zero_matrix() -> None:
+    u = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    singular = torch.linalg.svdvals(newton_schulz(u, resolve_schedule("standard", 5), 1e-7).double())
+    assert singular.max().item() <= 1.25  # "<= ~1.2" in algorithm.md §12.7 (measured 1.20)
+    assert singular.min().item() < 0.5  # square Gaussian: the smallest singular values stay small
+    zero = newton_schulz(torch.zeros(8, 4), resolve_schedule("tuned3", 5), 1e-7)
+    assert torch.equal(zero, torch.zeros(8, 4, dtype=torch.bfloat16))
+
+
+def test_schedule_resolution_and_validation() -> None:
+    assert len(resolve_schedule(None, 7)) == 7 and len(resolve_schedule("tuned4", 5)) == 4
+    assert resolve_schedule([(1, 2, 3)], 5) == ((1.0, 2.0, 3.0),)
+    for bad in ("tuned9", [(1, 2)], [], [(1, 2, float("nan"))]):
+        with pytest.raises(ValueError):
+            resolve_schedule(bad, 5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        resolve_schedule(None, 100)
+    with pytest.raises(TypeError):
+        resolve_schedule(None, 5.0)  # type: ignore[arg-type]
+
+
+def test_adjust_lr_ratios() -> None:
+    assert adjust_lr_ratio(None, 1024, 256) == 2.0  # sqrt(max(1, R/C))
+    assert adjust_lr_ratio("original", 256, 1024) == 1.0
+    assert adjust_lr_ratio("match_rms_adamw", 256, 1024) == pytest.approx(0.2 * 32)
+    with pytest.raises(ValueError):
+        adjust_lr_ratio("adam", 4, 4)
+
+
+def test_normuon_preserves_the_frobenius_norm_and_equalises_rows() -> None:
+    gen = torch.Generator().manual_seed(2)
+    o = torch.randn(64, 32, generator=gen) * torch.linspace(0.1, 3.0, 64).unsqueeze(1)
+    before = o.norm().item()
+    v = torch.zeros(64)
+    out = normuon_(o.clone(), v, 1, 0.95, 1e-8)
+    assert out.norm().item() == pytest.approx(before, rel=1e-5)
+    rows = out.norm(dim=1)
+    assert (rows.max() / rows.min()).item() < 1.001  # first step: every row divided by its own RMS
+    assert torch.allclose(v, 0.05 * o.norm(dim=1).square() / 32)
+
+
+# ---------------------------------------------------------------------------------------------- GefenMuon
+def _matrix_problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 32, generator=gen) * 0.1, torch.randn(64, 32, generator=gen)
+
+
+def test_gefen_muon_step_matches_a_dense_reference() -> None:
+    """One step from zero state: W <- W(1 - lr·wd) - lr·ratio·NS(β·m̂ + (1-β)·G), m̂ = (1-β)·G quantized."""
+    w0, target = _matrix_problem()
+    p = nn.Parameter(w0.clone())
+    opt = gefen.GefenMuon([p], lr=0.02, weight_decay=0.1, ns_schedule="tuned4")
+    p.grad = (p.detach() - target) * 2
+    g = p.grad.clone()
+    opt.step()
+    state = opt.state[p]
+    codes, scale = state["first_moment_codes"].long(), state["first_moment_scale"]
+    m_hat = (opt.codebook[codes] * scale.unsqueeze(1)).view(64, 32)
+    # the 8-bit momentum of (1 - β)·G: each element within half a codebook gap (times its block magnitude)
+    half_gap = opt.codebook.diff().max() / 2
+    error = (m_hat - 0.05 * g).abs().view(codes.shape)
+    assert bool((error <= half_gap * scale.unsqueeze(1) * (1 + 1e-5)).all())
+    u = 0.95 * m_hat + 0.05 * g
+    o = newton_schulz(u, resolve_schedule("tuned4", 5), 1e-7).float()
+    expected = w0 * (1 - 0.02 * 0.1) - 0.02 * math.sqrt(64 / 32) * o
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert int(state["step"]) == 1 and opt.state_report()[0]["second_moment"] == "momentum"
+
+
+def test_gefen_muon_trains_and_holds_about_one_byte_per_param() -> None:
+    w0, target = _matrix_problem(1)
+    p = nn.Parameter(w0.clone())
+    opt = gefen.GefenMuon([p], lr=0.2, weight_decay=0.0, normuon=True)
+    losses = []
+    for _ in range(30):
+        loss = (p - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+    per_param = (opt.state_bytes() - 4 * 256) / p.numel()
+    assert per_param < 1.3  # codes + block magnitudes + NorMuon rows (64 x 4 B over 2048 params)
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 3, 4), (1,)])
+def test_gefen_muon_refuses_non_2d_parameters_with_a_pointer_to_the_hybrid(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ConfigError, match="2-D.*GefenMuonHybrid"):
+        gefen.GefenMuon([nn.Parameter(torch.zeros(shape))])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"momentum": 1.0},
+        {"momentum": -0.1},
+        {"eps": 0.0},
+        {"lr": -1.0},
+        {"weight_decay": float("nan")},
+        {"adjust_lr_fn": "adam"},
+        {"ns_schedule": "tuned9"},
+        {"ns_steps": 0},
+        {"normuon_beta2": 1.0},
+        {"normuon_eps": 0.0},
+        {"fused": True},
+    ],
+)
+def test_gefen_muon_refuses_bad_hyperparameters(kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4))], **kwargs)
+
+
+def test_gefen_muon_resumes_bit_exactly_and_refused_loads_change_nothing() -> None:
+    w0, target = _matrix_problem(3)
+
+    def run(p: nn.Parameter, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            loss = (p - target).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    p = nn.Parameter(w0.clone())
+    opt = gefen.GefenMuon([p], lr=0.02, normuon=True)
+    run(p, opt, 3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    q = nn.Parameter(p.detach().clone())
+    resumed = gefen.GefenMuon([q], lr=0.02, normuon=True)
+    resumed.load_state_dict(saved)
+    run(p, opt, 3)
+    run(q, resumed, 3)
+    assert torch.equal(p, q)
+    # refusals: a Gefen checkpoint, a NorMuon-less optimizer, a negative NorMuon counter
+    fresh = gefen.GefenMuon([nn.Parameter(w0.clone())], lr=0.02, normuon=True)
+    gefen_opt = gefen.Gefen([nn.Parameter(w0.clone())])
+    with pytest.raises(CheckpointError, match="GefenMuon"):
+        fresh.load_state_dict(gefen_opt.state_dict())
+    bad = copy.deepcopy(saved)
+    bad["state"][0]["normuon_step"] = torch.tensor(-1)
+    with pytest.raises(CheckpointError, match="normuon_step"):
+        fresh.load_state_dict(bad)
+    assert len(fresh.state) == 0 and fresh.codebook is None
+
+
+# ---------------------------------------------------------------------------------------------- routing
+class _Toy(nn.Module):
+    """algorithm.md §8.1's toy: only q_proj.weight belongs to Muon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(50, 16)
+        self.pos_embed = nn.Parameter(torch.zeros(8, 16))
+        self.q_proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.classifier = nn.Linear(16, 3)
+        self.frozen = nn.Linear(16, 16, bias=False)
+        self.frozen.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos_embed[: x.shape[1]]
+        h = self.norm(self.q_proj(h)) + self.frozen(h)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h).mean() + self.classifier(h).mean()
+
+
+def test_routing_of_the_toy_model() -> None:
+    model = _Toy()
+    muon, backup = gefen.split_params_for_muon(model)
+    assert [n for n, _ in muon] == ["q_proj.weight"]
+    names = {n for n, _ in backup}
+    assert {"tok.weight", "pos_embed", "q_proj.bias", "norm.weight", "conv.weight", "classifier.weight"} <= names
+    assert "frozen.weight" not in names
+    gefen.validate_split(muon, backup, model)
+
+
+def test_validate_split_errors() -> None:
+    model = _Toy()
+    muon, backup = gefen.split_params_for_muon(model)
+    with pytest.raises(ValueError, match="appears twice"):
+        gefen.validate_split(muon, backup + muon[:1])
+    with pytest.raises(ValueError, match="not unique"):
+        gefen.validate_split(muon, [("Q_PROJ.WEIGHT", torch.zeros(1))])
+    with pytest.raises(ValueError, match="neither half"):
+        gefen.validate_split(muon, backup[1:], model)
+    with pytest.raises(TypeError):
+        gefen.validate_split([torch.zeros(2, 2)], [])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        gefen.split_params_for_muon([torch.zeros(2, 2)])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------------------------------- the hybrid
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_hybrid_behaves_as_one_optimizer(backup: str) -> None:
+    torch.manual_seed(0)
+    model = _Toy()
+    opt = gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=backup, weight_decay=0.01)
+    assert isinstance(opt.muon, gefen.GefenMuon)
+    assert isinstance(opt.backup, gefen.Gefen if backup == "gefen" else torch.optim.AdamW)
+    assert len(opt.param_groups) == 2 and opt.param_groups[0] is opt.muon.param_groups[0]
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x = torch.randint(0, 50, (4, 8))
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        opt.zero_grad()
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    order = []
+    opt.muon.register_step_post_hook(lambda *a: order.append("muon"))
+    opt.backup.register_step_post_hook(lambda *a: order.append("backup"))
+    for _ in range(3):
+        opt.step(closure)
+        scheduler.step()
+    assert len(calls) == 3 and order == ["muon", "backup"] * 3
+    assert opt.muon.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    assert opt.backup.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    assert opt.state[model.q_proj.weight] is opt.muon.state[model.q_proj.weight]
+    with pytest.raises(NotImplementedError):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    with pytest.raises(TypeError):
+        opt.param_groups = []
+
+
+def test_hybrid_with_gefen_backup_holds_about_one_byte_per_param() -> None:
+    model = nn.Sequential(nn.Embedding(512, 256), nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    opt = gefen.GefenMuonHybrid(model, lr=1e-3)
+    x = torch.randint(0, 512, (8, 16))
+    model(x).square().mean().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    total = opt.muon.state_bytes() + opt.backup.state_bytes()
+    assert total / n < 1.1
+
+
+def test_hybrid_resumes_bit_exactly_and_refuses_mismatched_checkpoints() -> None:
+    torch.manual_seed(1)
+    model = _Toy()
+    x = torch.randint(0, 50, (4, 8))
+
+    def run(m: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            m(x).backward()
+            opt.step()
+
+    opt = gefen.GefenMuonHybrid(model, lr=1e-2)
+    run(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    resumed = gefen.GefenMuonHybrid(twin, lr=1e-2)
+    resumed.load_state_dict(saved)
+    run(model, opt, 2)
+    run(twin, resumed, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+    fresh = gefen.GefenMuonHybrid(copy.deepcopy(model), lr=1e-2)
+    with pytest.raises(CheckpointError, match="backup optimizer"):
+        fresh.load_state_dict(dict(saved, backup_optimizer="adamw"))
+    with pytest.raises(CheckpointError, match="not a GefenMuonHybrid checkpoint"):
+        fresh.load_state_dict(saved["muon"])
+    broken = copy.deepcopy(saved)
+    broken["backup"]["state"][0]["first_moment_scale"] = -broken["backup"]["state"][0]["first_moment_scale"] - 1
+    with pytest.raises(CheckpointError, match="backup half"):
+        fresh.load_state_dict(broken)
+    assert len(fresh.state) == 0  # neither half was touched (the Muon half was valid)
+    assert fresh.muon.codebook is None and fresh.backup.codebook is None
+
+
+def test_hybrid_refuses_bad_construction() -> None:
+    with pytest.raises(ConfigError, match="backup_optimizer"):
+        gefen.GefenMuonHybrid(_Toy(), lr=1e-3, backup_optimizer="sgd")
+    with pytest.raises(TypeError):
+        gefen.GefenMuonHybrid([torch.zeros(2, 2, requires_grad=True)], lr=1e-3)
+    with pytest.warns(UserWarning, match="match_rms_adamw"):
+        gefen.GefenMuonHybrid(_Toy(), lr=1e-3, adjust_lr_fn="original")
+    frozen = nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable"):
+        gefen.GefenMuonHybrid(frozen, lr=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- torch.optim contract
+def test_gefen_muon_tensor_lr_equals_float_lr_and_lr_zero_freezes() -> None:
+    w0, target = _matrix_problem(4)
+    results = []
+    for lr in (0.05, torch.tensor(0.05), 0.0):
+        p = nn.Parameter(w0.clone())
+        opt = gefen.GefenMuon([p], lr=lr, weight_decay=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            (p - target).square().mean().backward()
+            opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[2], w0)  # lr 0: neither the update nor the (lr-scaled) decay moves it
+
+
+def test_gefen_muon_param_without_grad_is_untouched_and_refused_steps_change_nothing() -> None:
+    a, b = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8, 16))
+    opt = gefen.GefenMuon([a, b], lr=0.05)
+    a.grad = torch.randn(16, 8)
+    before_b = b.detach().clone()
+    opt.step()
+    assert torch.equal(b, before_b) and b not in opt.state
+    snapshot = (a.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()})
+    a.grad = torch.randn(16, 8)
+    b.grad = torch.randn(8, 16).to_sparse()  # a sparse gradient: refused before anything changes
+    with pytest.raises(gefen.StepError, match="strided"):
+        opt.step()
+    assert torch.equal(a, snapshot[0])
+    assert all(torch.equal(opt.state[a][k], v) for k, v in snapshot[1].items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_gefen_muon_writes_each_dtype_in_its_own_dtype(dtype: torch.dtype) -> None:
+    p = nn.Parameter(torch.randn(32, 16).to(dtype))
+    opt = gefen.GefenMuon([p], lr=0.05)
+    p.grad = torch.randn(32, 16).to(dtype)
+    before = p.detach().clone()
+    opt.step()
+    assert p.dtype == dtype and not torch.equal(p, before) and bool(torch.isfinite(p).all())
+    assert opt.state[p]["first_moment_codes"].dtype == torch.uint8
+
+
+def test_gefen_muon_add_param_group_and_normuon_toggle() -> None:
+    p, q = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(12, 6))
+    opt = gefen.GefenMuon([p], lr=0.05)
+    opt.add_param_group({"params": [q], "normuon": True, "ns_schedule": "tuned4"})
+    with pytest.raises(ConfigError, match="2-D"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(5))]})
+    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 6)
+    opt.step()
+    assert "normuon_v" in opt.state[q] and "normuon_v" not in opt.state[p]
+    opt.param_groups[0]["normuon"] = True  # switched on mid-run: its state is created then
+    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 6)
+    opt.step()
+    assert int(opt.state[p]["normuon_step"]) == 1 and int(opt.state[q]["normuon_step"]) == 2
