@@ -8,10 +8,12 @@ Prints one JSON object::
                         "peak_extra_memory_bytes": int | null, "state_bytes_per_param": float,
                         "compiled_signatures": int (Gefen only)}},
      "ratio_gefen_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
-     "ratio_gefen_first_step_vs_step": float}
+     "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float}
 
 ``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``fused=None``: compiled kernels where
-``torch.compile`` works) and ``gefen_eager`` (``fused=False``). ``opt_step_time_s`` is the median over
+``torch.compile`` works), ``gefen_eager`` (``fused=False``), and on the 2-D hidden weights only (the Muon half of
+a hybrid; their rows carry ``params`` and bytes/param over those) ``torch_muon`` and ``gefen_muon``.
+``opt_step_time_s`` is the median over
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
 ``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
@@ -182,6 +184,13 @@ def main() -> None:
         "gefen": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1),
         "gefen_eager": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, fused=False),
     }
+    # Muon rows: the 2-D hidden weights only (what a Muon hybrid gives Muon), same process, same tensors
+    hidden, _ = gefen.split_params_for_muon(named)
+    n_hidden = sum(p.numel() for _, p in hidden)
+    muon_factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "torch_muon": lambda: torch.optim.Muon([p for _, p in hidden], lr=1e-3, weight_decay=0.1),
+        "gefen_muon": lambda: gefen.GefenMuon(hidden, lr=1e-3, weight_decay=0.1),
+    }
     initial = [p.detach().clone() for p in params]
     results = {}
     for name, make in factories.items():
@@ -191,6 +200,16 @@ def main() -> None:
         opt = make()
         row = measure(opt, device, args.steps, args.warmup)
         row["state_bytes_per_param"] = _state_bytes(opt) / n_params
+        results[name] = row
+        del opt
+    for name, make in muon_factories.items():
+        with torch.no_grad():
+            for p, v in zip(params, initial):
+                p.copy_(v)
+        opt = make()
+        row = measure(opt, device, args.steps, args.warmup)
+        row["state_bytes_per_param"] = _state_bytes(opt) / n_hidden
+        row["params"] = n_hidden
         results[name] = row
         del opt
     fused_s = results["adamw_fused"]["opt_step_time_s"]
@@ -205,6 +224,8 @@ def main() -> None:
                 "ratio_gefen_eager_vs_adamw_fused": results["gefen_eager"]["opt_step_time_s"] / fused_s,
                 "ratio_gefen_first_step_vs_step": results["gefen"]["first_step_time_s"]
                 / results["gefen"]["opt_step_time_s"],
+                "ratio_gefen_muon_vs_torch_muon": results["gefen_muon"]["opt_step_time_s"]
+                / results["torch_muon"]["opt_step_time_s"],
             },
             indent=2,
         )
