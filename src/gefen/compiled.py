@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from gefen.errors import ConfigError
-from gefen.math.fused import SCALARS, factored_roots_, fused_block_step_, fused_factored_update_
+from gefen.math.fused import SCALARS, factored_roots_, fused_block_step_, fused_factored_update_, fused_momentum_
 
 __all__ = [
     "KernelSignature",
@@ -97,8 +97,9 @@ class KernelSignature:
     """What selects one compiled graph.
 
     Attributes:
-        kind: ``"block"`` or ``"factored"``.
-        shape: the parameter's shape as the kernel sees it: ``(B, P)`` for block, ``(R, C)`` for factored.
+        kind: ``"block"``, ``"factored"`` (Gefen) or ``"momentum"`` (GefenMuon's quantized momentum only).
+        shape: the parameter's shape as the kernel sees it: ``(B, P)`` for block and momentum, ``(R, C)`` for
+            factored.
         period: block length ``P``.
         param_dtype, grad_dtype: dtypes of the parameter and its gradient.
         device_type: ``"cpu"``, ``"cuda"``, ...
@@ -106,7 +107,7 @@ class KernelSignature:
         lerp_high: ``1 − β1 >= 0.5``.
     """
 
-    kind: Literal["block", "factored"]
+    kind: Literal["block", "factored", "momentum"]
     shape: tuple[int, ...]
     period: int
     param_dtype: torch.dtype
@@ -156,6 +157,13 @@ def _chain_factored(roots: Callable[..., tuple[Tensor, ...]], update: Callable[.
         update(param.view(blocks), grad.view(blocks), codes, scale, factors, codebook, lut, thresholds, scalars)
 
     return gefen_factored_step
+
+
+def _momentum_kernel(steps: int, lerp_high: bool) -> Callable[..., None]:
+    def gefen_momentum(param, grad, codes, scale, out, codebook, lut, thresholds, scalars):  # type: ignore[no-untyped-def]
+        fused_momentum_(grad, codes, scale, out, codebook, lut, thresholds, scalars, steps=steps, lerp_high=lerp_high)
+
+    return gefen_momentum
 
 
 def _own_code_object(fn: Callable[..., None], tag: int) -> Callable[..., None]:
@@ -222,6 +230,8 @@ class StepKernels:
 
         if signature.kind == "block":
             compiled = compile_one(_block_kernel(signature.steps, signature.lerp_high), UPDATE_OPTIONS)
+        elif signature.kind == "momentum":
+            compiled = compile_one(_momentum_kernel(signature.steps, signature.lerp_high), UPDATE_OPTIONS)
         else:
             dense = signature.shape[1] % signature.period != 0
             roots, update = _factored_kernel(signature.steps, signature.lerp_high, dense)
@@ -256,6 +266,8 @@ def _scratch_arguments(
     moment = [zeros((blocks, period), torch.uint8), zeros((blocks,), torch.float32)]
     if signature.kind == "block":
         second = [zeros((blocks,), torch.float32)]
+    elif signature.kind == "momentum":
+        second = [zeros((blocks, period), torch.float32)]  # the m̂ output
     else:
         second = [zeros((shape[0],), torch.float32), zeros((shape[1],), torch.float32)]
     return head + moment + second + list(tables) + [scalars]

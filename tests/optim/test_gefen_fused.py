@@ -371,3 +371,29 @@ def test_load_state_dict_keeps_the_live_fused_setting() -> None:
     old = dict(saved, param_groups=[{k: v for k, v in g.items() if k != "fused"} for g in saved["param_groups"]])
     resumed.load_state_dict(old)  # checkpoints written before the option existed
     assert resumed.param_groups[0]["fused"] is True
+
+
+def test_gefen_muon_compiled_momentum_matches_eager() -> None:
+    """GefenMuon's quantized momentum through the shared compiled machinery: same codes, same parameters."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((24, 40), 96), ((48, 64), 32)]
+    runs = {}
+    for fused in (False, True):
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+            for i, (shape, _) in enumerate(shapes)
+        ]
+        opt = gefen.GefenMuon(params, lr=0.02, normuon=True, fused=fused)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p, (shape, period) in zip(params, shapes):
+                p.grad = _grad(shape, period, gen, torch.float32)
+            opt.step()
+        runs[fused] = (opt, params)
+    (eager, pe), (compiled, pc) = runs[False], runs[True]
+    assert len(compiled._kernels) == 2 and all(sig.kind == "momentum" for sig in compiled._kernels._kernels)
+    for a, b in zip(pe, pc):
+        assert torch.equal(eager.state[a]["first_moment_codes"], compiled.state[b]["first_moment_codes"])
+        assert torch.equal(eager.state[a]["first_moment_scale"], compiled.state[b]["first_moment_scale"])
+        assert int(compiled.state[b]["step"]) == 3
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -137,12 +137,18 @@ def test_gefen_muon_refuses_non_2d_parameters_with_a_pointer_to_the_hybrid(shape
         {"ns_steps": 0},
         {"normuon_beta2": 1.0},
         {"normuon_eps": 0.0},
-        {"fused": True},
     ],
 )
 def test_gefen_muon_refuses_bad_hyperparameters(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4))], **kwargs)
+
+
+def test_gefen_muon_fused_option_validation() -> None:
+    with pytest.raises(TypeError, match="fused"):
+        gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4))], fused="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="float64"):
+        gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))], fused=True)
 
 
 def test_gefen_muon_resumes_bit_exactly_and_refused_loads_change_nothing() -> None:

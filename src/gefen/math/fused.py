@@ -48,6 +48,7 @@ __all__ = [
     "fused_block_step_",
     "factored_roots_",
     "fused_factored_update_",
+    "fused_momentum_",
 ]
 
 #: Number of entries of the per-parameter ``scalars`` tensor.
@@ -310,5 +311,47 @@ def fused_factored_update_(
         lerp_high=lerp_high,
     )
     _write_param_(param, m_hat / denominator, scalars[4], scalars[7])
+    codes.copy_(index.to(torch.uint8))
+    scale.copy_(new_scale.squeeze(1))
+
+
+def fused_momentum_(
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    out: Tensor,
+    codebook: Tensor,
+    lut: Tensor,
+    thresholds: Tensor,
+    scalars: Tensor,
+    *,
+    steps: int,
+    lerp_high: bool,
+) -> None:
+    """GefenMuon's quantized momentum update (algorithm.md §7.1 step 2), in place, with the dequantized result.
+
+    Args:
+        grad: (B, P) gradient, any floating dtype.
+        codes: (B, P) uint8, scale: (B,) fp32 — the momentum state, updated in place.
+        out: (B, P) fp32, receives ``m̂ = c[idx]·a``.
+        codebook, lut, thresholds, steps: codebook and nearest-code table.
+        scalars: fp32 tensor whose entry 0 is the EMA weight ``1 − β`` (β = momentum).
+        lerp_high: ``1 − β >= 0.5`` (static).
+
+    Source: algorithm.md §7.1, §6.2 steps 5–6.
+    """
+    index, new_scale, m_hat = quantized_moment(
+        grad.to(torch.float32),
+        codes,
+        scale.unsqueeze(1),
+        scalars[0],
+        codebook,
+        lut,
+        thresholds,
+        dims=(1,),
+        steps=steps,
+        lerp_high=lerp_high,
+    )
+    out.copy_(m_hat)
     codes.copy_(index.to(torch.uint8))
     scale.copy_(new_scale.squeeze(1))

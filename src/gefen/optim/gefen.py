@@ -258,10 +258,10 @@ class Gefen(GefenOptimizer):
             kind, period = self._second_moment_kind(item.param, group), periods[id(item.param)]
         numel = item.param.numel()
         shape = tuple(item.param.shape) if kind == "factored" else (numel // period, period)
-        weight = torch.tensor(1.0 - as_float(group["betas"][0]), dtype=torch.float32)  # torch's lerp branch test
+        weight = torch.tensor(self._ema_weight(group), dtype=torch.float32)  # torch's lerp branch test
         grad_dtype = torch.float32 if item.grad.dtype == torch.float64 else item.grad.dtype  # cast in _run_compiled
         return KernelSignature(
-            kind,
+            "momentum" if kind.startswith("momentum") else kind,
             shape,
             period,
             item.param.dtype,
@@ -270,6 +270,10 @@ class Gefen(GefenOptimizer):
             self._nearest_table(item.param.device, self._pending_codebook).steps,
             bool(weight.abs() >= 0.5),
         )
+
+    def _ema_weight(self, group: Mapping[str, Any]) -> float:
+        """The first-moment EMA weight ``1 − β1`` of a group (GefenMuon: ``1 − momentum``)."""
+        return 1.0 - as_float(group["betas"][0])
 
     def _compile_jobs(
         self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], codebook: Tensor | None, periods: Mapping[int, int]

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gefen.compiled import KernelSignature
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, refuse_torch_only_options
+from gefen.math.fused import SCALARS
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 from gefen.optim._base import WorkItem
-from gefen.optim.gefen import Gefen
+from gefen.optim.gefen import Gefen, _constants_on
 from gefen.state import NORMUON_STEP, NORMUON_V, ParamState, SecondMomentKind
 
 __all__ = ["GefenMuon"]
@@ -56,10 +59,12 @@ class GefenMuon(Gefen):
         normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4).
         normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
         normuon_eps: NorMuon ε > 0.
-        fused: ``None`` or ``False`` (the compiled fast path covers ``Gefen`` only for now).
+        fused: the compiled quantized momentum (one ``torch.compile``\ d kernel per signature, shared machinery
+            with :class:`gefen.Gefen`): ``None`` where it works, ``True`` required, ``False`` eager. Newton–Schulz
+            runs as torch matmuls either way.
 
     Raises:
-        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True``.
+        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True`` with float64 parameters.
         TypeError: a non-bool flag, a non-int ``ns_steps``, an unknown keyword.
     """
 
@@ -87,10 +92,8 @@ class GefenMuon(Gefen):
         for flag, value in (("nesterov", nesterov), ("normuon", normuon)):
             if not isinstance(value, bool):
                 raise TypeError(f"GefenMuon {flag}={value!r} must be a bool (True or False).")
-        if fused is True:
-            raise ConfigError(
-                "GefenMuon(fused=True): the compiled fast path covers Gefen only for now; pass fused=None."
-            )
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"GefenMuon fused={fused!r} must be None, True or False.")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -103,7 +106,7 @@ class GefenMuon(Gefen):
             "normuon": normuon,
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
-            "fused": False,
+            "fused": fused,
         }
         _check_muon_group(defaults, "GefenMuon")
         super(Gefen, self).__init__(params, defaults)
@@ -114,6 +117,7 @@ class GefenMuon(Gefen):
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         _check_muon_group(group, where)
+        super()._check_group_tensors(group, tensors, where)  # fused=True: dtypes and devices it supports
         for i, tensor in enumerate(tensors):
             if tensor.dim() != 2:
                 raise ConfigError(
@@ -125,30 +129,65 @@ class GefenMuon(Gefen):
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         return "momentum_normuon" if group.get("normuon", False) else "momentum"
 
-    def _compile_jobs(self, jobs: Any, codebook: Any, periods: Any) -> dict[int, Any]:
-        return {}  # eager only (see ``fused``)
+    def _ema_weight(self, group: Mapping[str, Any]) -> float:
+        return 1.0 - as_float(group["momentum"])
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of a ``GefenMuon`` (validated in full before anything changes)."""
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            group["fused"] = False
+    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
+        """Muon's compiled path covers the quantized momentum; the rest of each update runs in :meth:`_update`."""
+        for item, group, signature in jobs:
+            self._update(item, group, signature)
+        return set()
+
+    def _compiled_momentum(
+        self, item: WorkItem, view: ParamState, signature: KernelSignature, beta: float
+    ) -> Tensor | None:
+        """``m̂`` from the compiled kernel (state updated in place), or ``None`` after a failure (eager then)."""
+        device = item.param.device
+        out = torch.empty(signature.shape, dtype=torch.float32, device=device)
+        grad = item.grad.detach()
+        grad = (grad.to(torch.float32) if grad.dtype == torch.float64 else grad).reshape(signature.shape).contiguous()
+        codebook, lut, thresholds = self._fused_tables(device)
+        try:
+            self._kernels.run(
+                signature,
+                item.param.detach(),
+                grad,
+                view.codes,
+                view.scale,
+                out,
+                codebook,
+                lut,
+                thresholds,
+                _muon_constants(device, beta),
+            )
+        except Exception as exc:
+            self._kernels.failures[signature] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"GefenMuon: the compiled momentum of {item.name} failed inside step() ({type(exc).__name__}: "
+                f"{exc}); it runs on the eager path from now on (same math).",
+                stacklevel=6,
+            )
+            return None
+        return out
 
     # ------------------------------------------------------------------ the Muon update
-    def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
-        """Apply algorithm.md §7.1 to one 2-D parameter."""
+    def _update(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | None = None) -> None:
+        """Apply algorithm.md §7.1 to one 2-D parameter (the momentum through a compiled kernel if given)."""
         state = self.state[item.param]
         view = ParamState.from_dict(state)
         beta = as_float(group["momentum"])
         rows, cols = item.param.shape
         grad = item.grad.to(torch.float32)
-        moment = update_quantized_moment(
-            view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(item.param.device), beta
-        )
-        view.codes.copy_(moment.codes)
-        view.scale.copy_(moment.scale)
+        m_hat = self._compiled_momentum(item, view, signature, beta) if signature is not None else None
+        if m_hat is None:
+            moment = update_quantized_moment(
+                view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(item.param.device), beta
+            )
+            view.codes.copy_(moment.codes)
+            view.scale.copy_(moment.scale)
+            m_hat = moment.m_hat
         view.step.add_(1)
-        m_hat = moment.m_hat.view(rows, cols)
+        m_hat = m_hat.view(rows, cols)
         update = m_hat.mul_(beta).add_(grad, alpha=1.0 - beta) if group["nesterov"] else m_hat
         schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"])
         orthogonal = newton_schulz(update, schedule, as_float(group["eps"]))
@@ -169,6 +208,11 @@ class GefenMuon(Gefen):
             state.pop(NORMUON_STEP, None)
         ratio = adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
         apply_update_(item.param, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
+
+
+def _muon_constants(device: torch.device, beta: float) -> Tensor:
+    """The compiled momentum kernel's constants: entry 0 is the EMA weight ``1 − β`` (fp32, on ``device``)."""
+    return _constants_on(device, [[1.0 - beta] + [0.0] * (SCALARS - 1)])[0]
 
 
 def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
