@@ -150,7 +150,7 @@ class GefenMuon(Gefen):
         try:
             self._kernels.run(
                 signature,
-                item.param.detach(),
+                item.param.detach().reshape(signature.shape),  # unused by the kernel; same shape as compiled
                 grad,
                 view.codes,
                 view.scale,
