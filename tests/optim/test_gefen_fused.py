@@ -397,3 +397,19 @@ def test_gefen_muon_compiled_momentum_matches_eager() -> None:
         assert torch.equal(eager.state[a]["first_moment_scale"], compiled.state[b]["first_moment_scale"])
         assert int(compiled.state[b]["step"]) == 3
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_real_steps_reuse_the_graphs_compiled_before_the_step() -> None:
+    """The scratch compilation and the real calls must agree on every guard: no graph is compiled twice."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    opt, params = _train(True, steps=3)  # 2 factored (2 graphs each) + 2 block (1 each)
+    muon_params = [torch.nn.Parameter(torch.randn(16, 24)), torch.nn.Parameter(torch.randn(30, 12))]
+    muon = gefen.GefenMuon(muon_params, lr=0.02, fused=True)
+    for _ in range(3):
+        for p in muon_params:
+            p.grad = torch.randn_like(p)
+        muon.step()
+    assert len(opt._kernels) == 4 and len(muon._kernels) == 2
+    assert counters["stats"]["unique_graphs"] - before == 2 * 2 + 2 + 2
