@@ -385,3 +385,34 @@ def test_gefen_muon_add_param_group_and_normuon_toggle() -> None:
     p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 6)
     opt.step()
     assert int(opt.state[p]["normuon_step"]) == 1 and int(opt.state[q]["normuon_step"]) == 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_hybrid_deepcopy_and_pickle_give_a_working_optimizer(how: str) -> None:
+    import pickle
+
+    torch.manual_seed(2)
+    model = _Toy()
+    x = torch.randint(0, 50, (4, 8))
+    opt = gefen.GefenMuonHybrid(model, lr=1e-2)
+    opt.zero_grad()
+    model(x).backward()
+    opt.step()
+    model2, opt2 = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(x).backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_hybrid_with_adamw_backup_refuses_a_sparse_backup_gradient_before_muon_steps() -> None:
+    model = _Toy()
+    opt = gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer="adamw")
+    x = torch.randint(0, 50, (4, 8))
+    model(x).backward()
+    model.norm.weight.grad = model.norm.weight.grad.to_sparse()
+    before = model.q_proj.weight.detach().clone()
+    with pytest.raises(gefen.StepError, match="norm.weight"):
+        opt.step()
+    assert torch.equal(model.q_proj.weight, before) and len(opt.muon.state) == 0

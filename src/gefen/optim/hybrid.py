@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from gefen.checkpoint import stage_load
-from gefen.errors import CheckpointError, ConfigError
+from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 
@@ -281,6 +281,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def _children(self) -> list[torch.optim.Optimizer]:
         return [c for c in (self.muon, self.backup) if c is not None]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy support: the two children (each pickles its own state and codebook) and settings."""
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ torch.optim surface
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -327,6 +334,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for child in self._children():  # preflight both halves before either changes
             if isinstance(child, Gefen):
                 child._prepare()
+            else:
+                _check_torch_child_grads(child)
         for child in self._children():
             child.step()
         return loss
@@ -366,6 +375,23 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for half, child in (("muon", self.muon), ("backup", self.backup)):
             if child is not None:
                 child.load_state_dict(state_dict[half])
+
+
+def _check_torch_child_grads(child: torch.optim.Optimizer) -> None:
+    """The gradient checks of :meth:`gefen.optim._base.GefenOptimizer._prepare` for a torch backup (AdamW), so a
+    bad gradient there is refused before the Muon half steps."""
+    for g, group in enumerate(child.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            grad = p.grad
+            if grad is None:
+                continue
+            name = names[i] if names else f"backup param_groups[{g}][{i}]"
+            if grad.is_sparse or grad.layout != torch.strided or grad.is_complex() or grad.shape != p.shape:
+                raise StepError(
+                    f"GefenMuonHybrid: the gradient of {name} (layout {grad.layout}, dtype {grad.dtype}, shape "
+                    f"{tuple(grad.shape)}) cannot be used by the AdamW backup; nothing was changed."
+                )
 
 
 def _validate_on_twin(child: torch.optim.Optimizer, half: Any, name: str) -> None:
