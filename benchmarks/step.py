@@ -178,38 +178,29 @@ def main() -> None:
     named = gpt_shaped_params(args.size, device)
     params = [p for _, p in named]
     n_params = sum(p.numel() for p in params)
-    factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw_fused": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True),
-        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True),
-        "gefen": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1),
-        "gefen_eager": lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, fused=False),
-    }
     # Muon rows: the 2-D hidden weights only (what a Muon hybrid gives Muon), same process, same tensors
     hidden, _ = gefen.split_params_for_muon(named)
     n_hidden = sum(p.numel() for _, p in hidden)
-    muon_factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "torch_muon": lambda: torch.optim.Muon([p for _, p in hidden], lr=1e-3, weight_decay=0.1),
-        "gefen_muon": lambda: gefen.GefenMuon(hidden, lr=1e-3, weight_decay=0.1),
+    # name -> (factory, number of parameters it optimizes)
+    factories: dict[str, tuple[Callable[[], torch.optim.Optimizer], int]] = {
+        "adamw_fused": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True), n_params),
+        "adamw_foreach": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True), n_params),
+        "gefen": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1), n_params),
+        "gefen_eager": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, fused=False), n_params),
+        "torch_muon": (lambda: torch.optim.Muon([p for _, p in hidden], lr=1e-3, weight_decay=0.1), n_hidden),
+        "gefen_muon": (lambda: gefen.GefenMuon(hidden, lr=1e-3, weight_decay=0.1), n_hidden),
     }
     initial = [p.detach().clone() for p in params]
     results = {}
-    for name, make in factories.items():
+    for name, (make, n_optimized) in factories.items():
         with torch.no_grad():
             for p, v in zip(params, initial):
                 p.copy_(v)
         opt = make()
         row = measure(opt, device, args.steps, args.warmup)
-        row["state_bytes_per_param"] = _state_bytes(opt) / n_params
-        results[name] = row
-        del opt
-    for name, make in muon_factories.items():
-        with torch.no_grad():
-            for p, v in zip(params, initial):
-                p.copy_(v)
-        opt = make()
-        row = measure(opt, device, args.steps, args.warmup)
-        row["state_bytes_per_param"] = _state_bytes(opt) / n_hidden
-        row["params"] = n_hidden
+        row["state_bytes_per_param"] = _state_bytes(opt) / n_optimized
+        if n_optimized != n_params:
+            row["params"] = n_optimized
         results[name] = row
         del opt
     fused_s = results["adamw_fused"]["opt_step_time_s"]

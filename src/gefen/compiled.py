@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 import time
 import types
 from collections.abc import Callable
@@ -35,6 +36,8 @@ __all__ = [
     "UPDATE_OPTIONS",
     "FUSED_ENV",
     "compile_supported",
+    "constants_on",
+    "as_float32",
     "fused_by_default",
 ]
 
@@ -75,6 +78,28 @@ def fused_by_default() -> bool:
     if value not in ("0", "1"):
         raise ConfigError(f"environment variable {FUSED_ENV}={value!r} must be '0' (eager) or '1' (compiled).")
     return value == "1"
+
+
+def constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
+    """Per-step kernel constants as one fp32 tensor on ``device``, without a host synchronisation.
+
+    Args:
+        device: the parameters' device.
+        rows: one list of floats per parameter (e.g. :func:`gefen.math.fused.step_scalars`).
+
+    Returns:
+        (len(rows), len(rows[0])) fp32 on ``device``. On accelerators the host tensor is pinned (torch's caching
+        host allocator keeps the block alive until the copy is done) and copied asynchronously.
+    """
+    host = torch.tensor(rows, dtype=torch.float32)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest fp32, as a Python float (no tensor needed)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 @functools.cache
@@ -219,9 +244,9 @@ class StepKernels:
             RuntimeError: (any exception from ``torch.compile``/inductor) compilation failed; the signature is
                 recorded in :attr:`failures` and the caller decides between refusing and falling back.
         """
-        if signature in self._kernels or signature in self.failures:
-            if signature in self.failures:
-                raise RuntimeError(self.failures[signature])
+        if signature in self.failures:
+            raise RuntimeError(self.failures[signature])
+        if signature in self._kernels:
             return
         tag = len(self._kernels) + len(self.failures)
 

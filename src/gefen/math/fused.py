@@ -44,7 +44,7 @@ __all__ = [
     "step_scalars",
     "lookup_table_as_float",
     "nearest_code_lut",
-    "quantized_moment",
+    "quantized_moment_",
     "fused_block_step_",
     "factored_roots_",
     "fused_factored_update_",
@@ -125,8 +125,8 @@ def nearest_code_lut(u: Tensor, lut: Tensor, thresholds: Tensor, steps: int) -> 
     return index
 
 
-def quantized_moment(
-    g: Tensor,
+def quantized_moment_(
+    grad: Tensor,
     codes: Tensor,
     scale: Tensor,
     weight: Tensor,
@@ -134,42 +134,39 @@ def quantized_moment(
     lut: Tensor,
     thresholds: Tensor,
     *,
-    dims: tuple[int, ...],
     steps: int,
     lerp_high: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Dequantize → EMA → requantize the first moment of whole blocks (algorithm.md §6.2 steps 5–6).
+) -> Tensor:
+    """Dequantize → EMA → requantize the first moment of whole blocks (algorithm.md §6.2 steps 5–6), in place.
 
     ``m = lerp(c[idx]·a, g, w)`` with torch's own vectorised fp32 lerp formula (``w < 0.5``:
     ``fma(w, g − m, m)``, else ``fma(w − 1, g − m, g)``), ``a = max_j |m_j|``, ``idx = nearest(c, m / a)``
-    (``u = 0`` for a zero block), ``m̂ = c[idx]·a``.
-
-    A block is the set of elements of ``g`` that share an index outside ``dims``; keeping every tensor in one
-    iteration shape lets inductor compute the codes once for both the parameter write and the state write.
+    (``u = 0`` for a zero block), ``m̂ = c[idx]·a``. Every tensor stays in the (B, P) block view, so inductor
+    computes the codes once for both the parameter write and the state write.
 
     Args:
-        g: fp32 gradient, e.g. (B, P) with ``dims=(1,)`` or (X, Y, Z) with ``dims=(1, 2)``.
-        codes: uint8 current codes, the shape of ``g``.
-        scale: fp32 current magnitudes, ``g``'s shape with size 1 along ``dims`` (keepdim form).
-        weight: 0-dim fp32 EMA weight ``w = 1 − β1``.
+        grad: (B, P) gradient, any floating dtype (computed in fp32).
+        codes: (B, P) uint8, scale: (B,) fp32 — the state, updated in place.
+        weight: 0-dim fp32 EMA weight ``w = 1 − β``.
         codebook: (256,) fp32.
         lut, thresholds, steps: the nearest-code table (:func:`nearest_code_lut`).
-        dims: the block dimensions (static).
         lerp_high: ``w >= 0.5`` (selects torch's second lerp formula; static).
 
     Returns:
-        ``(index, new_scale, m_hat)``: int32 like ``g``, fp32 like ``scale``, fp32 like ``g``.
+        (B, P) fp32 ``m̂``.
     """
-    m_old = _gather(codebook, codes.to(torch.int32)) * scale
+    g = grad.to(torch.float32)
+    m_old = _gather(codebook, codes.to(torch.int32)) * scale.unsqueeze(1)
     if lerp_high:
         m = _fma(weight - 1.0, g - m_old, g)
     else:
         m = _fma(weight, g - m_old, m_old)
-    new_scale = m.abs().amax(dims, keepdim=True)
+    new_scale = m.abs().amax(1, keepdim=True)
     u = m / torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
     index = nearest_code_lut(u, lut, thresholds, steps)
-    m_hat = _gather(codebook, index) * new_scale
-    return index, new_scale, m_hat
+    codes.copy_(index.to(torch.uint8))
+    scale.copy_(new_scale.squeeze(1))
+    return _gather(codebook, index) * new_scale
 
 
 def _write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor) -> None:
@@ -207,21 +204,8 @@ def fused_block_step_(
     g = grad.to(torch.float32)
     v_new = _fma(g.square().mean(-1), scalars[2], v * scalars[1])
     step_size = torch.reciprocal(torch.sqrt(v_new) / scalars[5] + scalars[3]) * scalars[6]
-    index, new_scale, m_hat = quantized_moment(
-        g,
-        codes,
-        scale.unsqueeze(1),
-        scalars[0],
-        codebook,
-        lut,
-        thresholds,
-        dims=(1,),
-        steps=steps,
-        lerp_high=lerp_high,
-    )
+    m_hat = quantized_moment_(g, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high)
     _write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7])
-    codes.copy_(index.to(torch.uint8))
-    scale.copy_(new_scale.squeeze(1))
     v.copy_(v_new)
 
 
@@ -298,21 +282,10 @@ def fused_factored_update_(
         row_part = row.view(-1, 1, 1).expand(-1, per_row, 1).reshape(blocks, 1)
         col_part = col.view(1, per_row, period).expand(row.numel(), -1, -1).reshape(blocks, period)
         denominator = row_part * col_part + scalars[3]
-    index, new_scale, m_hat = quantized_moment(
-        grad.to(torch.float32),
-        codes,
-        scale.unsqueeze(1),
-        scalars[0],
-        codebook,
-        lut,
-        thresholds,
-        dims=(1,),
-        steps=steps,
-        lerp_high=lerp_high,
+    m_hat = quantized_moment_(
+        grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high
     )
     _write_param_(param, m_hat / denominator, scalars[4], scalars[7])
-    codes.copy_(index.to(torch.uint8))
-    scale.copy_(new_scale.squeeze(1))
 
 
 def fused_momentum_(
@@ -340,18 +313,7 @@ def fused_momentum_(
 
     Source: algorithm.md §7.1, §6.2 steps 5–6.
     """
-    index, new_scale, m_hat = quantized_moment(
-        grad.to(torch.float32),
-        codes,
-        scale.unsqueeze(1),
-        scalars[0],
-        codebook,
-        lut,
-        thresholds,
-        dims=(1,),
-        steps=steps,
-        lerp_high=lerp_high,
+    m_hat = quantized_moment_(
+        grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high
     )
     out.copy_(m_hat)
-    codes.copy_(index.to(torch.uint8))
-    scale.copy_(new_scale.squeeze(1))

@@ -224,9 +224,13 @@ class GefenOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _set_codebook(self, codebook: Tensor | None) -> None:
-        """Publish a codebook and drop every cache derived from the previous one (cannot fail)."""
+        """Publish a codebook and drop every cache derived from another one (cannot fail).
+
+        Cache entries are ``(codebook, value)`` pairs; those built for this very tensor (e.g. while a step checked
+        its kernels before publishing it) are kept.
+        """
         self._codebook = codebook
-        self._tables = {}
+        self._tables = {key: entry for key, entry in self._tables.items() if entry[0] is codebook}
 
     def _codebook_device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device

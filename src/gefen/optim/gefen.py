@@ -10,7 +10,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.compiled import COMPILED_DTYPES, KernelSignature, compile_supported, fused_by_default
+from gefen.compiled import (
+    COMPILED_DTYPES,
+    KernelSignature,
+    as_float32,
+    compile_supported,
+    constants_on,
+    fused_by_default,
+)
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, refuse_torch_only_options
 from gefen.math.codebook import (
@@ -42,18 +49,6 @@ __all__ = ["Gefen"]
 _CHUNK_ELEMENTS = 1 << 17
 #: The same on accelerators, where each pass is a kernel launch: large enough to keep launches few.
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
-
-
-def _constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
-    """The per-step constants as one fp32 tensor on ``device``, without a host synchronisation.
-
-    On accelerators the host tensor is pinned (torch's caching host allocator keeps the block alive until the
-    copy is done) and copied asynchronously, so the step never waits for the device.
-    """
-    host = torch.tensor(rows, dtype=torch.float32)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Gefen(GefenOptimizer):
@@ -258,7 +253,7 @@ class Gefen(GefenOptimizer):
             kind, period = self._second_moment_kind(item.param, group), periods[id(item.param)]
         numel = item.param.numel()
         shape = tuple(item.param.shape) if kind == "factored" else (numel // period, period)
-        weight = torch.tensor(self._ema_weight(group), dtype=torch.float32)  # torch's lerp branch test
+        weight = as_float32(self._ema_weight(group))  # torch tests its lerp branch on the fp32 weight
         grad_dtype = torch.float32 if item.grad.dtype == torch.float64 else item.grad.dtype  # cast in _run_compiled
         return KernelSignature(
             "momentum" if kind.startswith("momentum") else kind,
@@ -268,7 +263,7 @@ class Gefen(GefenOptimizer):
             grad_dtype,
             item.param.device.type,
             self._nearest_table(item.param.device, self._pending_codebook).steps,
-            bool(weight.abs() >= 0.5),
+            abs(weight) >= 0.5,
         )
 
     def _ema_weight(self, group: Mapping[str, Any]) -> float:
@@ -358,7 +353,7 @@ class Gefen(GefenOptimizer):
                     signature.kind == "factored",
                 )
             )
-        scalars = {dev: iter(_constants_on(dev, r)) for dev, r in rows.items()}
+        scalars = {dev: iter(constants_on(dev, r)) for dev, r in rows.items()}
         for position, (item, _group, signature) in enumerate(jobs):
             device = item.param.device
             view = ParamState.from_dict(self.state[item.param])

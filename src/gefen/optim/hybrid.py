@@ -331,11 +331,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for child in self._children():  # preflight both halves before either changes
-            if isinstance(child, Gefen):
-                child._prepare()
+        # The Muon child validates its own gradients before it changes anything; the backup steps second, so its
+        # gradients are checked here, before the Muon half steps.
+        if self.muon is not None and self.backup is not None:
+            if isinstance(self.backup, Gefen):
+                self.backup._prepare()
             else:
-                _check_torch_child_grads(child)
+                _check_torch_child_grads(self.backup)
         for child in self._children():
             child.step()
         return loss

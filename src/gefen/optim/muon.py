@@ -9,14 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.compiled import KernelSignature
+from gefen.compiled import KernelSignature, constants_on
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, refuse_torch_only_options
 from gefen.math.fused import SCALARS
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 from gefen.optim._base import WorkItem
-from gefen.optim.gefen import Gefen, _constants_on
+from gefen.optim.gefen import Gefen
 from gefen.state import NORMUON_STEP, NORMUON_V, ParamState, SecondMomentKind
 
 __all__ = ["GefenMuon"]
@@ -212,7 +212,7 @@ class GefenMuon(Gefen):
 
 def _muon_constants(device: torch.device, beta: float) -> Tensor:
     """The compiled momentum kernel's constants: entry 0 is the EMA weight ``1 − β`` (fp32, on ``device``)."""
-    return _constants_on(device, [[1.0 - beta] + [0.0] * (SCALARS - 1)])[0]
+    return constants_on(device, [[1.0 - beta] + [0.0] * (SCALARS - 1)])[0]
 
 
 def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
