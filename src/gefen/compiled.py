@@ -38,6 +38,7 @@ __all__ = [
     "compile_supported",
     "constants_on",
     "as_float32",
+    "kernel_grad",
     "fused_by_default",
 ]
 
@@ -95,6 +96,15 @@ def constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def kernel_grad(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A gradient as the kernels take it: detached, contiguous, in ``shape``; float64 cast to float32 (the step
+    computes in fp32 either way, algorithm.md §6.5). A copy only when one of those is needed."""
+    grad = grad.detach()
+    if grad.dtype == torch.float64:
+        grad = grad.to(torch.float32)
+    return grad.reshape(shape).contiguous()
 
 
 def as_float32(value: float) -> float:
@@ -227,10 +237,15 @@ class StepKernels:
 
         Raises:
             KeyError: ``signature`` was not prepared.
-            Exception: whatever a recompilation raises (the caller falls back).
+            Exception: whatever a recompilation raises; the signature is then recorded in :attr:`failures`
+                (the next :meth:`prepare` of it raises) and the caller falls back to the eager path.
         """
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            self._kernels[signature](*args)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                self._kernels[signature](*args)
+        except Exception as exc:
+            self.failures[signature] = f"{type(exc).__name__}: {exc}"
+            raise
 
     def prepare(self, signature: KernelSignature, device: torch.device, tables: tuple[Tensor, Tensor, Tensor]) -> None:
         """Compile ``signature`` (once) by running it on scratch tensors; never touches real state.

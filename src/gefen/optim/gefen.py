@@ -17,6 +17,7 @@ from gefen.compiled import (
     compile_supported,
     constants_on,
     fused_by_default,
+    kernel_grad,
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, refuse_torch_only_options
@@ -361,10 +362,7 @@ class Gefen(GefenOptimizer):
             # plain contiguous tensors: the graphs were compiled for them (dynamo guards on requires_grad, strides)
             param = item.param.detach()
             work = param if param.is_contiguous() else param.contiguous()
-            grad = item.grad.detach()
-            if grad.dtype == torch.float64:  # computed in fp32 either way (algorithm.md §6.5)
-                grad = grad.to(torch.float32)
-            grad = grad.reshape(signature.shape).contiguous()
+            grad = kernel_grad(item.grad, signature.shape)
             second = (
                 (view.second_moment_row, view.second_moment_col) if view.kind == "factored" else (view.second_moment,)
             )
@@ -382,8 +380,7 @@ class Gefen(GefenOptimizer):
                     thresholds,
                     constants,
                 )
-            except Exception as exc:
-                self._kernels.failures[signature] = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # recorded in self._kernels.failures by run()
                 warnings.warn(
                     f"Gefen: the compiled step of {item.name} failed inside step() ({type(exc).__name__}: {exc}); "
                     "this step was completed on the eager path for it and the parameters after it (same math). "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.compiled import KernelSignature, constants_on
+from gefen.compiled import KernelSignature, constants_on, kernel_grad
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, refuse_torch_only_options
 from gefen.math.fused import SCALARS
@@ -144,8 +144,7 @@ class GefenMuon(Gefen):
         """``m̂`` from the compiled kernel (state updated in place), or ``None`` after a failure (eager then)."""
         device = item.param.device
         out = torch.empty(signature.shape, dtype=torch.float32, device=device)
-        grad = item.grad.detach()
-        grad = (grad.to(torch.float32) if grad.dtype == torch.float64 else grad).reshape(signature.shape).contiguous()
+        grad = kernel_grad(item.grad, signature.shape)
         codebook, lut, thresholds = self._fused_tables(device)
         try:
             self._kernels.run(
@@ -160,8 +159,7 @@ class GefenMuon(Gefen):
                 thresholds,
                 _muon_constants(device, beta),
             )
-        except Exception as exc:
-            self._kernels.failures[signature] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # recorded in self._kernels.failures by run()
             warnings.warn(
                 f"GefenMuon: the compiled momentum of {item.name} failed inside step() ({type(exc).__name__}: "
                 f"{exc}); it runs on the eager path from now on (same math).",
