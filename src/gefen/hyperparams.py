@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,20 @@ def check_bool(value: object, where: str, error: type[Exception] = ConfigError) 
     if not isinstance(value, bool):
         raise error(f"{where}={value!r} must be a bool (True or False).")
     return value
+
+
+def check_flags(kind: str, flags: Mapping[str, object], optional: Sequence[str] = ()) -> None:
+    """Constructor type check of boolean options: each must be a real ``bool`` (``None`` also allowed for the
+    names in ``optional``, e.g. ``fused``).
+
+    Raises:
+        TypeError: a flag of another type (``1`` or ``"False"`` are refused, never coerced).
+    """
+    for name, value in flags.items():
+        if isinstance(value, bool) or (value is None and name in optional):
+            continue
+        allowed = "None, True or False" if name in optional else "a bool (True or False)"
+        raise TypeError(f"{kind} {name}={value!r} must be {allowed}.")
 
 
 def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError) -> None:

@@ -20,7 +20,7 @@ from gefen.compiled import (
     kernel_grad,
 )
 from gefen.errors import ConfigError, StepError
-from gefen.hyperparams import as_float, refuse_torch_only_options
+from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -142,10 +142,7 @@ class Gefen(GefenOptimizer):
         **torch_options: Any,
     ) -> None:
         refuse_torch_only_options("Gefen", torch_options)
-        if not isinstance(factored_v_2d, bool):
-            raise TypeError(f"Gefen factored_v_2d={factored_v_2d!r} must be a bool (True or False).")
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"Gefen fused={fused!r} must be None, True or False.")
+        check_flags("Gefen", {"factored_v_2d": factored_v_2d, "fused": fused}, optional=("fused",))
         defaults = {
             "lr": lr,
             "betas": tuple(betas) if isinstance(betas, list) else betas,

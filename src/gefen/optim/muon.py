@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gefen.compiled import KernelSignature, constants_on, kernel_grad
 from gefen.errors import ConfigError
-from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, refuse_torch_only_options
+from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
 from gefen.math.fused import SCALARS
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
@@ -89,11 +89,7 @@ class GefenMuon(Gefen):
         **torch_options: Any,
     ) -> None:
         refuse_torch_only_options("GefenMuon", torch_options)
-        for flag, value in (("nesterov", nesterov), ("normuon", normuon)):
-            if not isinstance(value, bool):
-                raise TypeError(f"GefenMuon {flag}={value!r} must be a bool (True or False).")
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"GefenMuon fused={fused!r} must be None, True or False.")
+        check_flags("GefenMuon", {"nesterov": nesterov, "normuon": normuon, "fused": fused}, optional=("fused",))
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
