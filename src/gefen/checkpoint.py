@@ -1,18 +1,31 @@
-"""Checkpoint schema of Gefen optimizers: the only code that validates an untrusted state dict.
+"""Checkpoint schema of Gefen optimizers: the only code that writes the metadata and validates an untrusted
+state dict.
 
-``state_dict()`` of a Gefen optimizer is torch's layout plus one metadata entry::
+``state_dict()`` of a Gefen optimizer is torch's layout plus one metadata entry, mirrored into every param group::
 
-    {"state": {i: {<keys of gefen.state>}}, "param_groups": [...],
-     "gefen": {"schema_version": 1, "optimizer": "Gefen", "period_search": "<variant>",
-               "codebook": fp32 (256,) tensor or None, "global_step": int}}
+    {"state": {i: {<keys of gefen.state>}},
+     "param_groups": [{..., "gefen_metadata": <the same dict>}, ...],
+     "gefen": {"schema_version": 2, "optimizer": "Gefen", "period_search": "<variant>",
+               "codebook": fp32 (256,) tensor or None, "global_step": int, "deterministic": bool}}
+
+The mirror exists because tools such as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keep
+only ``state`` and ``param_groups``: without it the codebook would be lost and the uint8 codes unreadable. The
+loader strips it before the groups are published, so it never appears in live ``param_groups``.
 
 Everything in it is a tensor, a number, a string, a list or a dict, so ``torch.load(weights_only=True)`` reads it.
 
-Loading is staged: :func:`stage_load` validates the whole dict against the live parameters and the spec of
-:mod:`gefen.state`, and builds brand-new state tensors (saved dtypes kept, placed on each parameter's device —
-unlike ``torch.optim.Optimizer.load_state_dict``, which would cast uint8 codes and fp32 moments to a bf16
-parameter's dtype). The optimizer then publishes the staged result with plain assignments, so a refused load
-leaves it bit-identical and never touches the caller's dict.
+Loading is staged: :func:`stage_load` reconciles the metadata copies, migrates older schemas explicitly
+(:data:`MIGRATIONS`), validates the whole dict against the live parameters and the spec of :mod:`gefen.state`,
+and builds brand-new state tensors (saved dtypes kept, placed on each parameter's device — unlike
+``torch.optim.Optimizer.load_state_dict``, which would cast uint8 codes and fp32 moments to a bf16 parameter's
+dtype). The optimizer then publishes the staged result with plain assignments, so a refused load leaves it
+bit-identical and never touches the caller's dict.
+
+Schema history:
+
+* 1 — top-level ``"gefen"`` entry only; no ``deterministic`` tag.
+* 2 — adds ``deterministic`` and the per-group mirror. A v1 checkpoint migrates with an untagged policy (it loads
+  under the live one).
 """
 
 from __future__ import annotations
@@ -30,21 +43,38 @@ from gefen.math.codebook import validate_codebook
 from gefen.math.period import PERIOD_SEARCH_VARIANT
 from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
 
-__all__ = ["SCHEMA_VERSION", "METADATA_KEY", "build_metadata", "StagedLoad", "stage_load"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "METADATA_KEY",
+    "GROUP_METADATA_KEY",
+    "MIGRATIONS",
+    "Metadata",
+    "build_metadata",
+    "attach_metadata",
+    "read_metadata",
+    "stage_param_state",
+    "StagedLoad",
+    "stage_load",
+]
 
-#: Version of the layout above. Bump it (and add ``migrate_v{N}_to_v{N+1}``) whenever the layout changes.
-SCHEMA_VERSION = 1
+#: Version of the layout above. Bump it (and add a migration to :data:`MIGRATIONS`) whenever the layout changes.
+SCHEMA_VERSION = 2
 #: Top-level key of the metadata entry.
 METADATA_KEY = "gefen"
+#: Key of the metadata mirror inside every saved param group.
+GROUP_METADATA_KEY = "gefen_metadata"
 
 
-def build_metadata(optimizer_kind: str, codebook: Tensor | None, global_step: int) -> dict[str, Any]:
+def build_metadata(
+    optimizer_kind: str, codebook: Tensor | None, global_step: int, deterministic: bool
+) -> dict[str, Any]:
     """The metadata entry written next to ``state`` and ``param_groups``.
 
     Args:
         optimizer_kind: class name, e.g. ``"Gefen"``.
         codebook: fp32 (256,) codebook, or ``None`` before the first step.
         global_step: number of completed ``step()`` calls that updated anything.
+        deterministic: the optimizer's ``deterministic`` policy.
 
     Returns:
         A dict of plain values (the codebook is cloned so later steps cannot change a saved dict).
@@ -55,24 +85,47 @@ def build_metadata(optimizer_kind: str, codebook: Tensor | None, global_step: in
         "period_search": PERIOD_SEARCH_VARIANT,
         "codebook": None if codebook is None else codebook.detach().clone(),
         "global_step": int(global_step),
+        "deterministic": bool(deterministic),
     }
 
 
-@dataclass
-class StagedLoad:
-    """A fully validated load, ready to publish.
+def attach_metadata(state_dict: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Put ``metadata`` at the top level and (the same object) into every saved param group, in place.
+
+    ``state_dict["param_groups"]`` must hold the dicts packed by ``torch.optim.Optimizer.state_dict`` (fresh
+    dicts, not the live groups).
+    """
+    state_dict[METADATA_KEY] = metadata
+    for group in state_dict["param_groups"]:
+        group[GROUP_METADATA_KEY] = metadata
+
+
+def _migrate_v1_to_v2(meta: dict[str, Any]) -> dict[str, Any]:
+    """v1 had no ``deterministic`` tag: the checkpoint is untagged and loads under the live policy."""
+    return {**meta, "schema_version": 2, "deterministic": None}
+
+
+#: ``version -> function`` taking a metadata dict of that version to the next one.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate_v1_to_v2}
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Validated, migrated checkpoint metadata.
 
     Attributes:
-        state: live parameter -> fresh state dict (tensors owned by nobody else).
-        param_groups: new group dicts (saved hyperparameters, live ``params``).
-        codebook: fp32 (256,) on the codebook device, or ``None``.
-        global_step: restored global step.
+        saved_version: the schema version the checkpoint was written with.
+        optimizer: optimizer class name.
+        codebook: fp32 (256,) tensor or ``None``.
+        global_step: ``>= 0``.
+        deterministic: the saved policy, or ``None`` for an untagged (v1) checkpoint.
     """
 
-    state: dict[Tensor, dict[str, Tensor]]
-    param_groups: list[dict[str, Any]]
+    saved_version: int
+    optimizer: str
     codebook: Tensor | None
     global_step: int
+    deterministic: bool | None
 
 
 def _int_counter(value: object, where: str) -> int:
@@ -87,14 +140,74 @@ def _int_counter(value: object, where: str) -> int:
     raise CheckpointError(f"{where}={value!r} must be a non-negative integer.")
 
 
-def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[Tensor | None, int]:
-    meta = state_dict.get(METADATA_KEY)
-    if not isinstance(meta, Mapping):
+def _same_metadata(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a is b:
+        return True
+    if set(a) != set(b):
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+                return False
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.cpu(), y.cpu()):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _find_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Mapping[str, Any]:
+    """The one metadata dict of a checkpoint: the top-level entry and/or the group mirrors, which must agree."""
+    top = state_dict.get(METADATA_KEY)
+    groups = state_dict["param_groups"]
+    mirrors = [g.get(GROUP_METADATA_KEY) if isinstance(g, Mapping) else None for g in groups]
+    present = [m for m in mirrors if m is not None]
+    if present and len(present) != len(mirrors):
         raise CheckpointError(
-            f"this is not a {optimizer_kind} checkpoint: the '{METADATA_KEY}' metadata entry is missing "
-            "(was it saved by another optimizer, or by a tool that keeps only 'state' and 'param_groups'?); "
-            f"load the dict returned by {optimizer_kind}.state_dict()."
+            f"inconsistent optimizer metadata: '{GROUP_METADATA_KEY}' is present on only some parameter groups "
+            f"({len(present)} of {len(mirrors)}); the checkpoint was edited or assembled from different saves."
         )
+    for i, mirror in enumerate(present):
+        if not isinstance(mirror, Mapping):
+            raise CheckpointError(f"param_groups[{i}]['{GROUP_METADATA_KEY}'] must be a dict.")
+        if not _same_metadata(mirror, present[0]):
+            raise CheckpointError(
+                f"inconsistent optimizer metadata: param_groups[{i}]['{GROUP_METADATA_KEY}'] differs from "
+                "param_groups[0]'s (global step, codebook or policy); the checkpoint was edited."
+            )
+    if top is not None and not isinstance(top, Mapping):
+        raise CheckpointError(f"checkpoint '{METADATA_KEY}' entry must be a dict, got {type(top).__name__}.")
+    if top is not None and present and not _same_metadata(top, present[0]):
+        raise CheckpointError(
+            f"inconsistent optimizer metadata: the top-level '{METADATA_KEY}' entry and the param groups' "
+            f"'{GROUP_METADATA_KEY}' copies differ (global step, codebook or policy); the checkpoint was edited."
+        )
+    meta = top if top is not None else (present[0] if present else None)
+    if meta is None:
+        raise CheckpointError(
+            f"this is not a {optimizer_kind} checkpoint: the '{METADATA_KEY}' metadata entry is missing at the top "
+            f"level and in the param groups (was it saved by another optimizer?); load the dict returned by "
+            f"{optimizer_kind}.state_dict()."
+        )
+    return meta
+
+
+def read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Metadata:
+    """Find, reconcile, migrate and validate a checkpoint's metadata.
+
+    Args:
+        state_dict: a dict with ``param_groups`` (a list); never modified.
+        optimizer_kind: the class name the checkpoint must have been saved by.
+
+    Returns:
+        :class:`Metadata` at :data:`SCHEMA_VERSION`.
+
+    Raises:
+        CheckpointError: missing or inconsistent copies, a newer or invalid schema version, another optimizer
+            kind or period-search variant, a bad global step, deterministic tag or codebook.
+    """
+    meta = dict(_find_metadata(state_dict, optimizer_kind))
     version = meta.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise CheckpointError(f"checkpoint schema_version={version!r} is not a positive integer.")
@@ -103,6 +216,10 @@ def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[
             f"checkpoint schema_version={version} is newer than this gefen supports ({SCHEMA_VERSION}); "
             "upgrade gefen to load it."
         )
+    saved_version = version
+    while version < SCHEMA_VERSION:
+        meta = MIGRATIONS[version](meta)
+        version = meta["schema_version"]
     kind = meta.get("optimizer")
     if kind != optimizer_kind:
         raise CheckpointError(f"checkpoint was saved by optimizer {kind!r}, cannot load it into {optimizer_kind}.")
@@ -114,33 +231,68 @@ def _read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> tuple[
     global_step = _int_counter(meta.get("global_step"), "checkpoint global_step")
     if global_step < 0:
         raise CheckpointError(f"checkpoint global_step={global_step} must be >= 0.")
+    deterministic = meta.get("deterministic")
+    if saved_version >= 2 and not isinstance(deterministic, bool):
+        raise CheckpointError(
+            f"checkpoint deterministic policy must be a bool, got {deterministic!r}; the checkpoint was edited."
+        )
     codebook = meta.get("codebook")
     if codebook is not None:
         reason = validate_codebook(codebook)
         if reason is not None:
             raise CheckpointError(f"checkpoint codebook is invalid: {reason}.")
-    return codebook, global_step
+    return Metadata(saved_version, kind, codebook, global_step, deterministic)
 
 
-def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, where: str) -> dict[str, Tensor]:
-    """Validate one saved parameter state and return fresh tensors on the parameter's device."""
+def stage_param_state(
+    saved: object,
+    shape: tuple[int, ...],
+    kind: SecondMomentKind,
+    where: str,
+    device: torch.device | None = None,
+    counter_device: torch.device | None = None,
+) -> dict[str, Tensor]:
+    """Validate one saved parameter state against the spec of a parameter of ``shape``; return fresh tensors.
+
+    Args:
+        saved: the untrusted per-parameter dict (never modified).
+        shape: the parameter's shape (``numel >= 1``).
+        kind: the second-moment kind it must have.
+        where: prefix for messages.
+        device: where the state tensors go (``None``: the CPU).
+        counter_device: where the int64 counters go (``None``: the CPU; the parameter's device when the
+            optimizer is ``capturable``).
+
+    Returns:
+        New tensors following :func:`gefen.state.state_spec` (counters int64 0-dim).
+
+    Raises:
+        CheckpointError: missing or extra keys, a period that does not divide ``numel``, counters that are not
+            integers, negative or inconsistent, tensors of another dtype or shape, negative or non-finite
+            magnitudes or second moments.
+    """
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where} must be a dict of tensors, got {type(saved).__name__}.")
-    if param.numel() == 0:
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0:
         raise CheckpointError(f"{where} holds state for a zero-element parameter, which Gefen never steps.")
     if PERIOD not in saved or FIRST_MOMENT_CODES not in saved:
-        raise CheckpointError(f"{where} lacks '{PERIOD}' or '{FIRST_MOMENT_CODES}'; keys: {sorted(saved)}.")
-    period = _int_counter(saved[PERIOD], f"{where}['{PERIOD}']")
-    if period < 1 or param.numel() % period != 0:
         raise CheckpointError(
-            f"{where}['{PERIOD}']={period} does not divide the parameter's {param.numel()} elements "
-            f"(shape {tuple(param.shape)}); the checkpoint belongs to another model."
+            f"{where} lacks '{PERIOD}' or '{FIRST_MOMENT_CODES}' (quantized first moment); keys: {sorted(saved)}."
         )
-    spec = state_spec(tuple(param.shape), period, kind)
+    period = _int_counter(saved[PERIOD], f"{where}['{PERIOD}']")
+    if period < 1 or numel % period != 0:
+        raise CheckpointError(
+            f"{where}['{PERIOD}']={period} does not divide the parameter's {numel} elements "
+            f"(shape {tuple(shape)}); the checkpoint belongs to another model."
+        )
+    spec = state_spec(tuple(shape), period, kind)
     if set(saved) != set(spec):
         raise CheckpointError(
             f"{where} has keys {sorted(saved)}, expected {sorted(spec)} for a {kind} state "
-            f"(parameter shape {tuple(param.shape)}; are factored_v_2d / normuon the same as when it was saved?)."
+            f"(parameter shape {tuple(shape)}; are factored_v_2d / normuon the same as when it was saved?)."
         )
     step = _int_counter(saved[STEP], f"{where}['{STEP}']")
     if step < 1:
@@ -155,7 +307,7 @@ def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, whe
             count = _int_counter(value, f"{where}['{key}']")
             if not 0 <= count <= step:
                 raise CheckpointError(f"{where}['{key}']={count} must be in [0, step={step}].")
-            staged[key] = torch.tensor(count, dtype=torch.int64)
+            staged[key] = torch.tensor(count, dtype=torch.int64, device=counter_device)
             continue
         if not isinstance(value, Tensor):
             raise CheckpointError(f"{where}['{key}'] must be a tensor, got {type(value).__name__}.")
@@ -166,10 +318,38 @@ def _stage_param_state(saved: object, param: Tensor, kind: SecondMomentKind, whe
             )
         if tspec.non_negative and value.numel() and not bool(((value >= 0) & torch.isfinite(value)).all()):
             raise CheckpointError(f"{where}['{key}'] has negative or non-finite values.")
-        if key == FIRST_MOMENT_CODES and value.numel() and int(value.max()) > 255:
-            raise CheckpointError(f"{where}['{key}'] has an index above 255.")
-        staged[key] = value.detach().to(device=param.device).clone()
+        staged[key] = value.detach().to(device=device).clone()
+    staged[STEP] = staged[STEP].to(counter_device)
     return staged
+
+
+@dataclass
+class StagedLoad:
+    """A fully validated load, ready to publish.
+
+    Attributes:
+        state: live parameter -> fresh state dict (tensors owned by nobody else).
+        param_groups: new group dicts (saved hyperparameters, live ``params``, metadata mirror removed).
+        codebook: fp32 (256,) on the codebook device, or ``None``.
+        global_step: restored global step.
+        metadata: the validated metadata (schema version it was saved with, policy).
+    """
+
+    state: dict[Tensor, dict[str, Tensor]]
+    param_groups: list[dict[str, Any]]
+    codebook: Tensor | None
+    global_step: int
+    metadata: Metadata
+
+
+def _check_policy(saved: bool | None, live: bool) -> None:
+    if saved is None or saved == live:
+        return
+    raise CheckpointError(
+        f"checkpoint was saved with deterministic={saved}, this optimizer has deterministic={live}: resuming "
+        "would change the run's reproducibility policy half-way, which requires an intentional state migration "
+        f"or a fresh optimizer restart. Build the optimizer with deterministic={saved} to resume this run."
+    )
 
 
 def stage_load(
@@ -179,6 +359,8 @@ def stage_load(
     live_groups: list[dict[str, Any]],
     second_moment_kind: Callable[[Tensor, Mapping[str, Any]], SecondMomentKind],
     codebook_device: torch.device,
+    deterministic: bool = False,
+    capturable: bool = False,
 ) -> StagedLoad:
     """Validate ``state_dict`` against the live param groups and build the state to publish.
 
@@ -189,14 +371,16 @@ def stage_load(
         second_moment_kind: ``(param, group) -> "block" | "factored"``; called with the *saved* group's
             hyperparameters, which replace the live ones on load (torch semantics).
         codebook_device: where the restored codebook lives.
+        deterministic: the live optimizer's policy; a checkpoint tagged with the other one is refused.
+        capturable: put the step counters on each parameter's device (``capturable=True``) instead of the CPU.
 
     Returns:
         :class:`StagedLoad`.
 
     Raises:
-        CheckpointError: anything that does not fit: wrong layout, optimizer kind, newer schema, group or
-            parameter counts, names, shapes, dtypes, periods, counters, invalid hyperparameters, quantized
-            state without a codebook.
+        CheckpointError: anything that does not fit: wrong layout, optimizer kind, newer schema, inconsistent
+            metadata copies, another deterministic policy, group or parameter counts, names, shapes, dtypes,
+            periods, counters, invalid hyperparameters, quantized state without a codebook.
     """
     if (
         not isinstance(state_dict, Mapping)
@@ -204,11 +388,13 @@ def stage_load(
         or not isinstance(state_dict.get("param_groups"), list)
     ):
         raise CheckpointError("a state dict must be a dict with 'state' (dict) and 'param_groups' (list).")
-    codebook, global_step = _read_metadata(state_dict, optimizer_kind)
+    meta = read_metadata(state_dict, optimizer_kind)
+    _check_policy(meta.deterministic, deterministic)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(live_groups):
         raise CheckpointError(
-            f"checkpoint has {len(saved_groups)} param groups, this optimizer has {len(live_groups)}."
+            f"checkpoint has {len(saved_groups)} param groups, this optimizer has {len(live_groups)} "
+            "(different number of parameter groups)."
         )
     index_to_param: dict[int, tuple[Tensor, Mapping[str, Any], str]] = {}
     new_groups: list[dict[str, Any]] = []
@@ -234,7 +420,11 @@ def stage_load(
                 raise CheckpointError(f"{where}['params'][{i}]={pid!r} is not a unique integer index.")
             name = live_names[i] if live_names is not None else f"param_groups[{g}][{i}]"
             index_to_param[pid] = (param, saved, name)
-        group = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items()}
+        group = {
+            k: (v.detach().clone() if isinstance(v, Tensor) else v)
+            for k, v in saved.items()
+            if k != GROUP_METADATA_KEY
+        }
         group["params"] = live["params"]
         if live_names is not None:
             group["param_names"] = live_names
@@ -246,12 +436,21 @@ def stage_load(
             raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
-        new_state[param] = _stage_param_state(saved_state, param, second_moment_kind(param, group), where)
+        new_state[param] = stage_param_state(
+            saved_state,
+            tuple(param.shape),
+            second_moment_kind(param, group),
+            where,
+            device=param.device,
+            counter_device=param.device if capturable else None,
+        )
+    codebook = meta.codebook
     if new_state and codebook is None:
         raise CheckpointError(
-            "checkpoint has quantized first moments but no codebook; the uint8 codes cannot be read without it. "
-            "Resume from the unmodified dict returned by state_dict()."
+            "checkpoint has quantized first moments but no frozen codebook (neither at the top level nor in the "
+            "param groups' metadata); the uint8 codes cannot be read without it. Resume from the unmodified dict "
+            "returned by state_dict()."
         )
     if codebook is not None:
         codebook = codebook.detach().to(codebook_device).clone()
-    return StagedLoad(new_state, new_groups, codebook, global_step)
+    return StagedLoad(new_state, new_groups, codebook, meta.global_step, meta)

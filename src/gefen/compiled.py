@@ -140,6 +140,9 @@ class KernelSignature:
         device_type: ``"cpu"``, ``"cuda"``, ...
         steps: compares after the nearest-code table look-up (from the codebook's table).
         lerp_high: ``1 − β1 >= 0.5``.
+        deterministic: built with inductor's ``deterministic`` option (no runtime autotuning of reduction
+            configurations, which could pick another summation order in another process); the optimizer's
+            ``deterministic=True``.
     """
 
     kind: Literal["block", "factored", "momentum"]
@@ -150,6 +153,7 @@ class KernelSignature:
     device_type: str
     steps: int
     lerp_high: bool
+    deterministic: bool = False
 
     def eligible(self) -> bool:
         """Whether a compiled kernel exists for this signature (else the eager path runs)."""
@@ -266,7 +270,8 @@ class StepKernels:
         tag = len(self._kernels) + len(self.failures)
 
         def compile_one(fn: Callable[..., Any], options: dict[str, object]) -> Callable[..., Any]:
-            return torch.compile(_own_code_object(fn, tag), fullgraph=True, dynamic=False, options=dict(options))
+            options = {**options, "deterministic": True} if signature.deterministic else dict(options)
+            return torch.compile(_own_code_object(fn, tag), fullgraph=True, dynamic=False, options=options)
 
         if signature.kind == "block":
             compiled = compile_one(_block_kernel(signature.steps, signature.lerp_high), UPDATE_OPTIONS)

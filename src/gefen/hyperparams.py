@@ -192,7 +192,6 @@ def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = C
 _TORCH_ONLY_OPTIONS: dict[str, object] = {
     "maximize": False,
     "amsgrad": False,
-    "capturable": False,
     "differentiable": False,
     "foreach": None,
 }

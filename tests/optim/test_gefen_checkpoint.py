@@ -11,7 +11,7 @@ import torch
 
 import gefen
 from gefen import CheckpointError
-from gefen.checkpoint import METADATA_KEY, SCHEMA_VERSION
+from gefen.checkpoint import GROUP_METADATA_KEY, METADATA_KEY, SCHEMA_VERSION
 
 
 def _model(dtype=torch.float32, seed=0, hidden=48):
@@ -125,7 +125,14 @@ def _first(sd):
 
 BAD_LOADS = [
     ("not a dict", lambda sd: [1, 2], "must be a dict"),
-    ("no metadata", lambda sd: {k: v for k, v in sd.items() if k != METADATA_KEY}, "not a Gefen checkpoint"),
+    (
+        "no metadata",
+        lambda sd: {
+            "state": sd["state"],
+            "param_groups": [{k: v for k, v in g.items() if k != GROUP_METADATA_KEY} for g in sd["param_groups"]],
+        },
+        "not a Gefen checkpoint",
+    ),
     (
         "newer schema",
         _inplace(lambda sd: sd[METADATA_KEY].update(schema_version=SCHEMA_VERSION + 1)),
@@ -137,7 +144,7 @@ BAD_LOADS = [
         _inplace(lambda sd: sd[METADATA_KEY].update(period_search="other")),
         "period_search",
     ),
-    ("codebook missing", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=None)), "no codebook"),
+    ("codebook missing", _inplace(lambda sd: sd[METADATA_KEY].update(codebook=None)), "no frozen codebook"),
     (
         "codebook short",
         _inplace(lambda sd: sd[METADATA_KEY].update(codebook=torch.linspace(-1, 1, 255))),

@@ -16,18 +16,52 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.checkpoint import METADATA_KEY, build_metadata, stage_load
+from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.checkpoint import attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
-from gefen.hyperparams import check_group
+from gefen.hyperparams import check_flags, check_group
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
 __all__ = ["GefenOptimizer", "WorkItem"]
 
 
+#: Accepted ``nonfinite`` policies: ``"raise"`` refuses a step whose gradients hold NaN/Inf (one host sync per
+#: step); ``"ignore"`` lets them through like ``torch.optim.AdamW`` (a parameter's first gradient is always checked).
+NONFINITE_POLICIES = ("raise", "ignore")
+
+
 def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
-    """State-dict post-hook: add the checkpoint metadata entry (module-level so optimizers stay picklable)."""
-    state_dict[METADATA_KEY] = build_metadata(optimizer.kind, optimizer._codebook, optimizer._global_step)
+    """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
+    meta = build_metadata(optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic)
+    attach_metadata(state_dict, meta)
+
+
+def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
+    """The effective ``nonfinite`` policy of an optimizer, validated against the other policies.
+
+    ``None`` means ``"raise"`` under ``deterministic=True`` and ``"ignore"`` otherwise.
+
+    Raises:
+        ConfigError: an unknown value; ``"ignore"`` with ``deterministic=True``; ``"raise"`` (or
+            ``deterministic=True``) with ``capturable=True``, whose step may not read anything on the host.
+    """
+    if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"{kind} nonfinite={nonfinite!r} must be None, 'raise' or 'ignore'.")
+    policy = nonfinite if nonfinite is not None else ("raise" if deterministic else "ignore")
+    if deterministic and policy != "raise":
+        raise ConfigError(
+            f"{kind}(deterministic=True) refuses non-finite gradients (a NaN step is not a reproducible step); "
+            "drop nonfinite='ignore' or pass deterministic=False."
+        )
+    if capturable and policy == "raise":
+        why = "deterministic=True" if deterministic else "nonfinite='raise'"
+        raise ConfigError(
+            f"{kind}(capturable=True) cannot honour {why}: checking gradients for NaN/Inf needs a host sync in "
+            "step(), which a captured graph cannot run. Use capturable=False, or capturable=True with "
+            "deterministic=False and nonfinite=None (use torch.amp.GradScaler to skip overflow steps)."
+        )
+    return policy
 
 
 @dataclass
@@ -55,7 +89,19 @@ class GefenOptimizer(torch.optim.Optimizer):
     #: Name written into checkpoints and messages; subclasses override.
     kind: str = "GefenOptimizer"
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        deterministic: bool = False,
+        capturable: bool = False,
+        nonfinite: str | None = None,
+    ) -> None:
+        check_flags(self.kind, {"deterministic": deterministic, "capturable": capturable})
+        self.nonfinite = resolve_nonfinite(self.kind, nonfinite, deterministic, capturable)
+        self.deterministic = deterministic
+        self.capturable = capturable
         check_group(defaults, self.kind)
         if isinstance(params, Tensor):
             raise TypeError(
@@ -72,14 +118,17 @@ class GefenOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""
         state = super().__getstate__()
-        state["_codebook"] = self._codebook
-        state["_global_step"] = self._global_step
+        for key in ("_codebook", "_global_step", "deterministic", "capturable", "nonfinite"):
+            state[key] = getattr(self, key)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_codebook", None)
         self.__dict__.setdefault("_global_step", 0)
+        self.__dict__.setdefault("deterministic", False)
+        self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("nonfinite", "ignore")
         self._tables = {}
         self._init_runtime()
         if _add_metadata not in self._optimizer_state_dict_post_hooks.values():
@@ -172,6 +221,46 @@ class GefenOptimizer(torch.optim.Optimizer):
             plan[g].append(WorkItem(p, grad, name))
         return plan
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by ``torch.amp.GradScaler.step``: true when some present gradient is fp16 (the scaler cannot
+        unscale those), so it passes ``found_inf``/``grad_scale`` and lets :meth:`step` skip or unscale; false
+        otherwise, keeping the ordinary path (the scaler unscales and skips ``step`` on overflow)."""
+        return wants_native_amp(p.grad for _g, _i, p, _n in self._iter_params())
+
+    def _amp_skip(self, plan: list[list[WorkItem]]) -> bool:
+        """The optimizer side of GradScaler's protocol (see :mod:`gefen.amp`), run after the gradient preflight
+        and before anything changes. Returns True when this step must be skipped (overflow: nothing changes);
+        otherwise the gradients have been unscaled in place (when they carried a scale).
+
+        Raises:
+            StepError: malformed ``found_inf``/``grad_scale`` controls (nothing changed).
+        """
+        controls = read_amp_controls(self, self.kind)
+        if controls is None:
+            return False
+        if controls.overflow:
+            return True
+        if controls.grad_scale is not None:
+            unscale_grads_([item.grad for work in plan for item in work], controls.grad_scale)
+        return False
+
+    def _check_finite(self, plan: list[list[WorkItem]]) -> None:
+        """With ``nonfinite="raise"`` (implied by ``deterministic=True``): refuse NaN/Inf gradients.
+
+        Raises:
+            StepError: the first parameter whose gradient is not finite (nothing changed).
+        """
+        if self.nonfinite != "raise":
+            return
+        bad = first_nonfinite([(item.name, item.grad) for work in plan for item in work])
+        if bad is not None:
+            why = "deterministic=True" if self.deterministic else "nonfinite='raise'"
+            raise StepError(
+                f"{self.kind}: the gradient of {bad} has NaN or Inf values and {why} refuses such steps; nothing "
+                "was changed. Skip the step (torch.amp.GradScaler does this for overflows) or find the source."
+            )
+
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
 
@@ -214,12 +303,14 @@ class GefenOptimizer(torch.optim.Optimizer):
             live_groups=self.param_groups,
             second_moment_kind=self._second_moment_kind,
             codebook_device=self._codebook_device(),
+            deterministic=self.deterministic,
+            capturable=self.capturable,
         )
         # Publish: plain assignments only, nothing below can fail half-way.
         self.state = defaultdict(dict, staged.state)
         self.param_groups = staged.param_groups
         self._set_codebook(staged.codebook)
-        self._global_step = staged.global_step
+        self._set_global_step(staged.global_step)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -243,8 +334,12 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     @property
     def global_step(self) -> int:
-        """Number of ``step()`` calls that updated at least one parameter."""
+        """Number of ``step()`` calls that updated at least one parameter (a host read of the device counter
+        under ``capturable=True``)."""
         return self._global_step
+
+    def _set_global_step(self, value: int) -> None:
+        self._global_step = value
 
     def state_bytes(self) -> int:
         """Persistent optimizer state in bytes, measured from the live tensors (codebook included)."""

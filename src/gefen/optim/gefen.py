@@ -104,15 +104,35 @@ class Gefen(GefenOptimizer):
             (``ConfigError`` at construction for float64 parameters or other devices, ``StepError`` before any
             change if a kernel fails to compile); ``False``: always eager. Compile time is paid once per
             signature and reported by :attr:`compile_time_s`.
+        deterministic: bit-identical results for identical inputs on the same hardware and thread count,
+            including the first step (period search, codebook). Every reduction of ours already runs in a fixed
+            order (integer histograms, no float atomics); this flag additionally builds compiled kernels with
+            inductor's ``deterministic`` option, refuses non-finite gradients (``nonfinite="raise"``) and is
+            recorded in checkpoints: loading a checkpoint saved under the other policy is refused.
+        capturable: per-step values live on the device (step counters int64 on the parameter's device, a tensor
+            ``lr`` is read on device, the global step is a device counter), so ``step()`` makes no host sync after
+            its first call and can be traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA graph.
+            The first step of a parameter (period search, codebook) is host-driven: run at least one eager
+            step before capturing; a parameter seen for the first time under capture is refused.
+        nonfinite: ``"raise"``: refuse (``StepError``, nothing changed) a step whose gradients hold NaN/Inf (one
+            host sync per step); ``"ignore"``: let them through like ``torch.optim.AdamW``; ``None``:
+            ``"raise"`` when ``deterministic=True``, else ``"ignore"``. A parameter's first gradient is always
+            checked (the period search and codebook need finite values).
         **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
-            ``amsgrad=False``, ``capturable=False``, ``differentiable=False``, ``foreach`` ``None`` or
-            ``False``) so AdamW call sites keep working; anything else is refused.
+            ``amsgrad=False``, ``differentiable=False``, ``foreach`` ``None`` or ``False``) so AdamW call sites
+            keep working; anything else is refused.
+
+    Mixed precision: ``torch.amp.GradScaler`` works unchanged. fp32/bf16 gradients take the scaler's ordinary
+    path; true fp16 gradients use the optimizer-side protocol (:mod:`gefen.amp`): an overflow step changes
+    nothing at all (no codebook, period, counter, state or parameter).
 
     Raises:
         ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters, an
-            AdamW option Gefen does not implement (e.g. ``maximize=True``).
-        TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d`` is not a bool; an
-            unknown keyword argument.
+            AdamW option Gefen does not implement (e.g. ``maximize=True``), an unknown ``nonfinite``, or a policy
+            combination that cannot be honoured (``deterministic=True`` with ``nonfinite="ignore"``;
+            ``capturable=True`` with ``deterministic=True`` or ``nonfinite="raise"``, which need a host sync).
+        TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d``, ``deterministic`` or
+            ``capturable`` is not a bool; an unknown keyword argument.
 
     Example:
         >>> import torch, gefen
@@ -139,6 +159,9 @@ class Gefen(GefenOptimizer):
         *,
         factored_v_2d: bool = True,
         fused: bool | None = None,
+        deterministic: bool = False,
+        capturable: bool = False,
+        nonfinite: str | None = None,
         **torch_options: Any,
     ) -> None:
         refuse_torch_only_options("Gefen", torch_options)
@@ -151,7 +174,7 @@ class Gefen(GefenOptimizer):
             "factored_v_2d": factored_v_2d,
             "fused": fused,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint (see :class:`gefen.optim._base.GefenOptimizer`), keeping each group's live ``fused``.
@@ -202,6 +225,9 @@ class Gefen(GefenOptimizer):
         """
         loss = self._evaluate_closure(closure)
         plan = self._prepare()
+        if self._amp_skip(plan):  # GradScaler found an overflow: the step is skipped, nothing changes
+            return loss
+        self._check_finite(plan)
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
         periods = self._search_periods(fresh)  # also refuses non-finite first gradients
         starting = [item for item in fresh if id(item.param) in periods]
@@ -262,6 +288,7 @@ class Gefen(GefenOptimizer):
             item.param.device.type,
             self._nearest_table(item.param.device, self._pending_codebook).steps,
             abs(weight) >= 0.5,
+            self.deterministic,
         )
 
     def _ema_weight(self, group: Mapping[str, Any]) -> float:

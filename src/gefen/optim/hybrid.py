@@ -16,8 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import stage_load
 from gefen.errors import CheckpointError, ConfigError, StepError
+from gefen.hyperparams import check_flags
+from gefen.optim._base import WorkItem, resolve_nonfinite
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 
@@ -187,10 +190,15 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``, ``normuon=True``,
             ``adjust_lr_fn="match_rms_adamw"``.
         backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
+        fused, deterministic, capturable, nonfinite: forwarded to both children (see :class:`Gefen`); with an
+            AdamW backup, ``deterministic``/``nonfinite`` are enforced on its gradients by the hybrid, and
+            ``capturable=True`` is refused.
 
     Raises:
-        ConfigError: no trainable parameter, an unknown ``backup_optimizer``, invalid hyperparameters.
-        TypeError: bare tensors instead of a model or ``(name, param)`` pairs.
+        ConfigError: no trainable parameter, an unknown ``backup_optimizer``, invalid hyperparameters, a policy
+            combination that cannot be honoured (see :class:`Gefen`).
+        TypeError: bare tensors instead of a model or ``(name, param)`` pairs; a non-bool ``deterministic`` or
+            ``capturable``.
 
     Source: algorithm.md §8.
     """
@@ -216,7 +224,21 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         backup_substrings: Sequence[str] = DEFAULT_BACKUP_SUBSTRINGS,
+        fused: bool | None = None,
+        deterministic: bool = False,
+        capturable: bool = False,
+        nonfinite: str | None = None,
     ) -> None:
+        check_flags("GefenMuonHybrid", {"deterministic": deterministic, "capturable": capturable})
+        check_flags("GefenMuonHybrid", {"fused": fused}, optional=("fused",))
+        self.nonfinite = resolve_nonfinite("GefenMuonHybrid", nonfinite, deterministic, capturable)
+        self.deterministic = deterministic
+        self.capturable = capturable
+        if capturable and backup_optimizer == "adamw":
+            raise ConfigError(
+                "GefenMuonHybrid(capturable=True, backup_optimizer='adamw') is not supported: build the hybrid "
+                "with backup_optimizer='gefen', or use capturable=False."
+            )
         if backup_optimizer not in BACKUP_OPTIMIZERS:
             raise ConfigError(f"backup_optimizer={backup_optimizer!r} must be one of {BACKUP_OPTIMIZERS}.")
         muon, backup = split_params_for_muon(model_or_named_params, backup_substrings)
@@ -231,6 +253,12 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             )
         self.backup_optimizer = backup_optimizer
         wd = weight_decay
+        policies: dict[str, Any] = {
+            "fused": fused,
+            "deterministic": deterministic,
+            "capturable": capturable,
+            "nonfinite": self.nonfinite,
+        }
         self.muon: GefenMuon | None = None
         self.backup: torch.optim.Optimizer | None = None
         if muon:
@@ -246,12 +274,15 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 normuon=normuon,
                 normuon_beta2=normuon_beta2,
                 normuon_eps=normuon_eps,
+                **policies,
             )
         if backup:
             blr = lr if backup_lr is None else backup_lr
             bwd = wd if backup_weight_decay is None else backup_weight_decay
             if backup_optimizer == "gefen":
-                self.backup = Gefen(backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False)
+                self.backup = Gefen(
+                    backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False, **policies
+                )
             else:
                 self.backup = torch.optim.AdamW(
                     [{"params": [p for _, p in backup], "param_names": [n for n, _ in backup]}],
@@ -319,25 +350,49 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for child in self._children():
             child.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True when some present gradient of either half is fp16 (see :mod:`gefen.amp`); the hybrid then skips
+        or unscales both halves at once."""
+        return wants_native_amp(p.grad for g in self.param_groups for p in g["params"])
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run the closure once, validate both children's gradients, then step Muon and then the backup.
 
+        With GradScaler's optimizer-side protocol (fp16 gradients) the overflow decision is taken once for both
+        halves: on overflow neither changes; otherwise every gradient of both is unscaled once, then each child
+        steps without seeing the scaler's controls.
+
         Raises:
-            StepError: a gradient of either half is invalid (nothing changed in either).
+            StepError: a gradient of either half is invalid, non-finite under ``nonfinite="raise"``, or the
+                GradScaler controls are malformed (nothing changed in either).
             ConfigError: an invalid hyperparameter in either half.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # The Muon child validates its own gradients before it changes anything; the backup steps second, so its
-        # gradients are checked here, before the Muon half steps.
-        if self.muon is not None and self.backup is not None:
-            if isinstance(self.backup, Gefen):
-                self.backup._prepare()
+        plans: list[tuple[torch.optim.Optimizer, list[Any]]] = []
+        for child in self._children():
+            if isinstance(child, Gefen):
+                plans.append((child, [item for work in child._prepare() for item in work]))
             else:
-                _check_torch_child_grads(self.backup)
+                plans.append((child, _check_torch_child_grads(child)))
+        controls = read_amp_controls(self, "GefenMuonHybrid")
+        if controls is not None and controls.overflow:
+            return loss
+        named = [(item.name, item.grad) for _, items in plans for item in items]
+        if controls is not None and controls.grad_scale is not None:
+            unscale_grads_([grad for _, grad in named], controls.grad_scale)
+        if self.nonfinite == "raise":
+            bad = first_nonfinite(named)
+            if bad is not None:
+                raise StepError(
+                    f"GefenMuonHybrid: the gradient of {bad} has NaN or Inf values and "
+                    f"{'deterministic=True' if self.deterministic else 'nonfinite=raise'} refuses such steps; "
+                    "nothing was changed in either half."
+                )
         for child in self._children():
             child.step()
         return loss
@@ -379,9 +434,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 child.load_state_dict(state_dict[half])
 
 
-def _check_torch_child_grads(child: torch.optim.Optimizer) -> None:
+def _check_torch_child_grads(child: torch.optim.Optimizer) -> list[WorkItem]:
     """The gradient checks of :meth:`gefen.optim._base.GefenOptimizer._prepare` for a torch backup (AdamW), so a
-    bad gradient there is refused before the Muon half steps."""
+    bad gradient there is refused before the Muon half steps. Returns the parameters with a gradient."""
+    items = []
     for g, group in enumerate(child.param_groups):
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
@@ -394,6 +450,8 @@ def _check_torch_child_grads(child: torch.optim.Optimizer) -> None:
                     f"GefenMuonHybrid: the gradient of {name} (layout {grad.layout}, dtype {grad.dtype}, shape "
                     f"{tuple(grad.shape)}) cannot be used by the AdamW backup; nothing was changed."
                 )
+            items.append(WorkItem(p, grad, name))
+    return items
 
 
 def _validate_on_twin(child: torch.optim.Optimizer, half: Any, name: str) -> None:
@@ -406,6 +464,8 @@ def _validate_on_twin(child: torch.optim.Optimizer, half: Any, name: str) -> Non
                 live_groups=child.param_groups,
                 second_moment_kind=child._second_moment_kind,
                 codebook_device=child._codebook_device(),
+                deterministic=child.deterministic,
+                capturable=child.capturable,
             )
         else:
             twin = type(child)([dict(g, params=list(g["params"])) for g in child.param_groups])

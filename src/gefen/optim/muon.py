@@ -62,9 +62,12 @@ class GefenMuon(Gefen):
         fused: the compiled quantized momentum (one ``torch.compile``\ d kernel per signature, shared machinery
             with :class:`gefen.Gefen`): ``None`` where it works, ``True`` required, ``False`` eager. Newton–Schulz
             runs as torch matmuls either way.
+        deterministic, capturable, nonfinite: as for :class:`gefen.Gefen` (recorded in checkpoints, device-side
+            counters, NaN/Inf policy); GradScaler's fp16 protocol works the same way.
 
     Raises:
-        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True`` with float64 parameters.
+        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True`` with float64 parameters; a
+            policy combination that cannot be honoured (see :class:`gefen.Gefen`).
         TypeError: a non-bool flag, a non-int ``ns_steps``, an unknown keyword.
     """
 
@@ -86,6 +89,9 @@ class GefenMuon(Gefen):
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         fused: bool | None = None,
+        deterministic: bool = False,
+        capturable: bool = False,
+        nonfinite: str | None = None,
         **torch_options: Any,
     ) -> None:
         refuse_torch_only_options("GefenMuon", torch_options)
@@ -105,7 +111,9 @@ class GefenMuon(Gefen):
             "fused": fused,
         }
         _check_muon_group(defaults, "GefenMuon")
-        super(Gefen, self).__init__(params, defaults)
+        super(Gefen, self).__init__(
+            params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite
+        )
 
     # ------------------------------------------------------------------ hooks of the shared machinery
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:

@@ -1,0 +1,125 @@
+"""Mixed precision: the optimizer side of ``torch.amp.GradScaler``'s protocol, and the non-finite gradient check.
+
+``GradScaler.step(optimizer)`` has two paths (torch's ``torch/amp/grad_scaler.py``):
+
+* **ordinary** — the optimizer's ``_step_supports_amp_scaling`` is false: the scaler unscales the gradients itself
+  and does not call ``step()`` at all when it found an Inf/NaN. Used for fp32 (master) and bf16 gradients.
+* **optimizer-side** — the property is true: the scaler only measures ``found_inf`` (it refuses to unscale true
+  fp16 gradients), sets ``optimizer.found_inf`` (1-element fp32) and ``optimizer.grad_scale`` (1-element fp32, or
+  ``None`` when the user already called ``scaler.unscale_``) and calls ``step()``, which must skip on overflow and
+  otherwise unscale before using the gradients.
+
+Gefen optimizers report the property true exactly when some present gradient is fp16, so everything else stays on
+the ordinary path (where Accelerate/Trainer also see ``step_was_skipped``). Source: hardening.md §2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gefen.errors import StepError
+
+__all__ = ["AmpControls", "wants_native_amp", "read_amp_controls", "unscale_grads_", "first_nonfinite"]
+
+
+@dataclass(frozen=True)
+class AmpControls:
+    """The scaler's per-step controls, validated and read on the host.
+
+    Attributes:
+        overflow: the scaler found an Inf/NaN in some gradient: skip the step, change nothing.
+        grad_scale: the scale the gradients still carry (``None``: already unscaled), a 1-element fp32 tensor.
+    """
+
+    overflow: bool
+    grad_scale: Tensor | None
+
+
+def wants_native_amp(grads: Iterable[Tensor | None]) -> bool:
+    """Value of ``_step_supports_amp_scaling``: whether any present gradient is ``torch.float16``."""
+    return any(g is not None and g.dtype == torch.float16 for g in grads)
+
+
+def read_amp_controls(owner: object, kind: str) -> AmpControls | None:
+    """Read and validate ``owner.found_inf`` / ``owner.grad_scale`` set by ``GradScaler.step``.
+
+    Args:
+        owner: the optimizer.
+        kind: its class name, for messages.
+
+    Returns:
+        ``None`` when the attributes are absent (no scaler, or the ordinary path: costs nothing), else
+        :class:`AmpControls`. Reading them is one host sync (fp16 training only).
+
+    Raises:
+        StepError: ``found_inf`` is not a 1-element real tensor; ``grad_scale`` is not ``None`` or a 1-element
+            real tensor holding a finite value ``> 0``.
+    """
+    present = [name for name in ("found_inf", "grad_scale") if name in vars(owner)]
+    if not present:
+        return None
+    if len(present) != 2:
+        raise StepError(
+            f"{kind}: only {present[0]!r} of the GradScaler controls found_inf/grad_scale is set on the optimizer; "
+            "set both (torch.amp.GradScaler.step does) or neither. Nothing was changed."
+        )
+    found_inf, grad_scale = vars(owner)["found_inf"], vars(owner)["grad_scale"]
+    if not isinstance(found_inf, Tensor) or found_inf.numel() != 1 or found_inf.is_complex():
+        shape = tuple(found_inf.shape) if isinstance(found_inf, Tensor) else type(found_inf).__name__
+        raise StepError(
+            f"{kind}: GradScaler control found_inf must be a 1-element tensor, got {shape}; a scaler shared across "
+            "optimizers or devices must reduce it first. Nothing was changed."
+        )
+    if grad_scale is not None:
+        if not isinstance(grad_scale, Tensor) or grad_scale.numel() != 1 or grad_scale.is_complex():
+            shape = tuple(grad_scale.shape) if isinstance(grad_scale, Tensor) else type(grad_scale).__name__
+            raise StepError(
+                f"{kind}: GradScaler control grad_scale must be None or a 1-element tensor, got {shape}. "
+                "Nothing was changed."
+            )
+        value = float(grad_scale.detach().double().reshape(()).item())
+        if not (value > 0.0 and value != float("inf")):
+            raise StepError(
+                f"{kind}: GradScaler control grad_scale={value} must be finite and > 0 (the scaler's scale "
+                "collapsed or was corrupted). Nothing was changed."
+            )
+    overflow = bool(found_inf.detach().reshape(()).item() != 0)
+    return AmpControls(overflow, grad_scale)
+
+
+def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
+    """Divide every gradient by ``grad_scale`` in place, bit-for-bit like ``GradScaler.unscale_``.
+
+    The reciprocal is ``float32(1 / float64(scale))`` (the scaler's own rounding) and each gradient is multiplied
+    by it in its own dtype, one ``_foreach_mul_`` per (device, dtype).
+
+    Args:
+        grads: gradient tensors (any floating dtype, any devices).
+        grad_scale: 1-element tensor, finite and ``> 0``.
+    """
+    inv = grad_scale.detach().double().reciprocal().float().reshape(())
+    buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        buckets.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _dtype), items in buckets.items():
+        torch._foreach_mul_(items, inv.to(device))
+
+
+def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
+    """Name of the first gradient holding a NaN or Inf, or ``None`` (one host sync for all of them).
+
+    Args:
+        named_grads: ``(name, gradient)`` pairs.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, g) in enumerate(named_grads):
+        by_device.setdefault(g.device, []).append(i)
+    bad = []
+    for indices in by_device.values():
+        ok = torch.stack([torch.isfinite(named_grads[i][1]).all() for i in indices]).cpu()
+        bad += [i for i, flag in zip(indices, ok.tolist()) if not flag]
+    return named_grads[min(bad)][0] if bad else None
