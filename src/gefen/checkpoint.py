@@ -421,9 +421,7 @@ def stage_load(
             name = live_names[i] if live_names is not None else f"param_groups[{g}][{i}]"
             index_to_param[pid] = (param, saved, name)
         group = {
-            k: (v.detach().clone() if isinstance(v, Tensor) else v)
-            for k, v in saved.items()
-            if k != GROUP_METADATA_KEY
+            k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items() if k != GROUP_METADATA_KEY
         }
         group["params"] = live["params"]
         if live_names is not None:
