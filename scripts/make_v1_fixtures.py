@@ -5,6 +5,7 @@ step and the parameters the v1 code produced after that third step, so a migrati
 continuation against values computed by the old code, not by the code under test.
 """
 
+import copy
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def main() -> None:
             loss_of(m, step).backward()
             opt.step()
         params = {n: p.detach().clone() for n, p in m.named_parameters()}
-        sd = opt.state_dict()
+        sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live tensors
         opt.zero_grad()
         loss_of(m, 2).backward()
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}

@@ -53,13 +53,17 @@ def as_float(value: Any) -> float:
     return _real(value)
 
 
-def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> float | torch.Tensor:
+def check_lr(
+    lr: object, where: str, error: type[Exception] = ConfigError, host_values: bool = True
+) -> float | torch.Tensor:
     """Validate a learning rate: a finite real ``>= 0``, or a 1-element real tensor holding one.
 
     Args:
         lr: the value to check.
         where: location for the message, e.g. ``"Gefen param_groups[1]['lr']"``.
         error: exception class to raise.
+        host_values: read a tensor's value on the host to check it; ``False`` (``capturable=True`` steps)
+            checks only its structure (1 element, floating dtype), so no host sync happens.
 
     Returns:
         ``lr`` unchanged (a float or a 1-element tensor).
@@ -74,6 +78,10 @@ def check_lr(lr: object, where: str, error: type[Exception] = ConfigError) -> fl
         )
     if not _is_real_number(lr):
         raise error(f"{where}={lr!r} must be a float >= 0; pass e.g. lr=1e-3.")
+    if isinstance(lr, torch.Tensor) and not host_values:
+        if not lr.is_floating_point():
+            raise error(f"{where} is a {lr.dtype} tensor; capturable=True needs a floating lr tensor.")
+        return lr
     value = _real(lr)
     if not math.isfinite(value) or value < 0.0:
         raise error(f"{where}={value} must be a finite number >= 0; pass e.g. lr=1e-3.")
@@ -162,7 +170,9 @@ def check_flags(kind: str, flags: Mapping[str, object], optional: Sequence[str] 
         raise TypeError(f"{kind} {name}={value!r} must be {allowed}.")
 
 
-def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError) -> None:
+def check_group(
+    group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError, host_values: bool = True
+) -> None:
     """Validate the Adam-family hyperparameters of one param group (``lr``, ``betas``, ``eps``,
     ``weight_decay``, ``factored_v_2d``, ``fused``) that are present in ``group``.
 
@@ -170,12 +180,13 @@ def check_group(group: Mapping[str, Any], where: str, error: type[Exception] = C
         group: a param-group mapping.
         where: prefix for messages, e.g. ``"Gefen param_groups[0]"``.
         error: exception class to raise.
+        host_values: see :func:`check_lr`.
 
     Raises:
         error: the first invalid value found.
     """
     if "lr" in group:
-        check_lr(group["lr"], f"{where}['lr']", error)
+        check_lr(group["lr"], f"{where}['lr']", error, host_values)
     if "betas" in group:
         check_betas(group["betas"], f"{where}['betas']", error)
     if "eps" in group:

@@ -133,7 +133,9 @@ def is_factorable(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and 8 * (shape[0] + shape[1]) <= shape[0] * shape[1]
 
 
-def init_state(param: Tensor, period: int, kind: SecondMomentKind, zero_code: int) -> dict[str, Tensor]:
+def init_state(
+    param: Tensor, period: int, kind: SecondMomentKind, zero_code: int, counters_on_device: bool = False
+) -> dict[str, Tensor]:
     """Fresh state for ``param``: every moment exactly zero, counters 0.
 
     Args:
@@ -142,14 +144,15 @@ def init_state(param: Tensor, period: int, kind: SecondMomentKind, zero_code: in
         kind: second-moment kind.
         zero_code: index of the exact-zero codebook entry; codes start there so ``c[idx]`` is 0 even before
             the magnitude is set.
+        counters_on_device: put the step counters on ``param.device`` (``capturable=True``) instead of the CPU.
 
     Returns:
-        New dict of tensors following :func:`state_spec`; counters live on the CPU, moments on ``param.device``.
+        New dict of tensors following :func:`state_spec`; moments (and counters if asked) on ``param.device``.
     """
     state: dict[str, Tensor] = {}
     for key, spec in state_spec(tuple(param.shape), period, kind).items():
         if key in (STEP, NORMUON_STEP):
-            state[key] = torch.zeros((), dtype=spec.dtype)
+            state[key] = torch.zeros((), dtype=spec.dtype, device=param.device if counters_on_device else None)
         elif key == PERIOD:
             state[key] = torch.tensor(period, dtype=spec.dtype)
         elif key == FIRST_MOMENT_CODES:
@@ -193,7 +196,7 @@ class ParamState:
         """Build the view from a state dict that follows :func:`state_spec`."""
         return cls(
             step=state[STEP],
-            period=int(state[PERIOD]),
+            period=state[FIRST_MOMENT_CODES].shape[1],  # == state[PERIOD], read without a host sync
             codes=state[FIRST_MOMENT_CODES],
             scale=state[FIRST_MOMENT_SCALE],
             second_moment=state.get(SECOND_MOMENT),

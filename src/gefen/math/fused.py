@@ -42,6 +42,8 @@ from gefen.math.moments import FLOAT32_TINY
 __all__ = [
     "SCALARS",
     "step_scalars",
+    "device_step_scalars",
+    "write_param_",
     "lookup_table_as_float",
     "nearest_code_lut",
     "quantized_moment_",
@@ -83,6 +85,43 @@ def step_scalars(
     if factored:
         return head + [bc2, 1.0, -lr * (1.0 / bc1)]
     return head + [math.sqrt(bc2), 1.0 / bc1, -lr]
+
+
+def device_step_scalars(
+    beta1: float, beta2: float, eps: float, lr: float | Tensor, weight_decay: float, step: Tensor, factored: bool
+) -> Tensor:
+    """:func:`step_scalars` computed on the device from a device step counter and a float or tensor ``lr``.
+
+    Used by ``capturable=True``: no value is read on the host, so the step can be traced by ``torch.compile`` or
+    captured in a CUDA graph, and a tensor ``lr`` changed in place between replays takes effect. The arithmetic
+    runs in float64 on the device (as :func:`step_scalars` does on the host) and is rounded to fp32 once.
+
+    Args:
+        beta1, beta2, eps, weight_decay: Python floats (baked into a captured graph).
+        lr: η as a float or a 1-element tensor (any device; read on ``step.device``).
+        step: 0-dim integer tensor, the parameter's step counter after increment (``t >= 1``).
+        factored: the parameter uses the factored second moment.
+
+    Returns:
+        (8,) fp32 on ``step.device`` in the layout of the module docstring.
+
+    Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5.
+    """
+    device = step.device
+
+    def const(value: float) -> Tensor:
+        return torch.full((), value, dtype=torch.float64, device=device)
+
+    t = step.to(torch.float64)
+    eta = lr.to(device=device, dtype=torch.float64).reshape(()) if isinstance(lr, Tensor) else const(lr)
+    bc1 = 1.0 - torch.pow(const(beta1), t)
+    bc2 = 1.0 - torch.pow(const(beta2), t)
+    head = [const(1.0 - beta1), const(beta2), const(1.0 - beta2), const(eps), 1.0 - eta * weight_decay]
+    if factored:
+        tail = [bc2, const(1.0), -eta * (1.0 / bc1)]
+    else:
+        tail = [torch.sqrt(bc2), 1.0 / bc1, -eta]
+    return torch.stack(head + tail).to(torch.float32)
 
 
 def lookup_table_as_float(lut: Tensor) -> Tensor:
@@ -169,8 +208,14 @@ def quantized_moment_(
     return _gather(codebook, index) * new_scale
 
 
-def _write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor) -> None:
-    """``p <- fma(d, step, p·decay)`` in fp32, rounded once to the parameter's dtype, written in place."""
+def write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor) -> None:
+    """``param <- fma(direction, step, param·decay)`` in fp32, rounded once to ``param``'s dtype, in place.
+
+    Args:
+        param: any shape, fp32/bf16/fp16.
+        direction: fp32, ``param``'s shape.
+        decay: 0-dim fp32 ``1 − η·λ``; step: 0-dim fp32 ``−η·k``.
+    """
     work = param.to(torch.float32) * decay
     param.copy_(_fma(direction, step, work).to(param.dtype))
 
@@ -205,7 +250,7 @@ def fused_block_step_(
     v_new = _fma(g.square().mean(-1), scalars[2], v * scalars[1])
     step_size = torch.reciprocal(torch.sqrt(v_new) / scalars[5] + scalars[3]) * scalars[6]
     m_hat = quantized_moment_(g, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high)
-    _write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7])
+    write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7])
     v.copy_(v_new)
 
 
@@ -285,7 +330,7 @@ def fused_factored_update_(
     m_hat = quantized_moment_(
         grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high
     )
-    _write_param_(param, m_hat / denominator, scalars[4], scalars[7])
+    write_param_(param, m_hat / denominator, scalars[4], scalars[7])
 
 
 def fused_momentum_(

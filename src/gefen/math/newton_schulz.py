@@ -114,7 +114,7 @@ def newton_schulz(update: Tensor, schedule: Sequence[tuple[float, float, float]]
     return x.mT if transposed else x
 
 
-def normuon_(update: Tensor, v: Tensor, step: int, beta: float, eps: float) -> Tensor:
+def normuon_(update: Tensor, v: Tensor, step: int | Tensor, beta: float, eps: float) -> Tensor:
     """NorMuon row normalisation of an orthogonalised update, in place; updates the row second moment.
 
     ``n_r = ‖O_r‖₂`` (fp32); ``v_r <- β·v_r + (1−β)·n_r²/C``; ``d_r = sqrt(v_r / (1 − β^t)) + ε``;
@@ -124,7 +124,8 @@ def normuon_(update: Tensor, v: Tensor, step: int, beta: float, eps: float) -> T
     Args:
         update: (R, C) ``O`` (bf16 or fp32), modified in place.
         v: (R,) fp32 row EMA, modified in place.
-        step: NorMuon counter after increment (``t >= 1``).
+        step: NorMuon counter after increment (``t >= 1``): an int, or a 0-dim float64 device tensor
+            (``capturable=True``; same float64 arithmetic, no host read).
         beta: ``β ∈ [0, 1)``.
         eps: ``ε > 0``.
 

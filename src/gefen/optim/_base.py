@@ -113,12 +113,16 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step = 0
         self._init_runtime()
         super().__init__(params, defaults)
+        # capturable=True: the global step is a device counter (graph replays run no Python)
+        self._global_step_t: Tensor | None = (
+            torch.zeros((), dtype=torch.int64, device=self._codebook_device()) if capturable else None
+        )
         self.register_state_dict_post_hook(_add_metadata, prepend=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""
         state = super().__getstate__()
-        for key in ("_codebook", "_global_step", "deterministic", "capturable", "nonfinite"):
+        for key in ("_codebook", "_global_step", "_global_step_t", "deterministic", "capturable", "nonfinite"):
             state[key] = getattr(self, key)
         return state
 
@@ -129,6 +133,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("deterministic", False)
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("nonfinite", "ignore")
+        self.__dict__.setdefault("_global_step_t", None)
         self._tables = {}
         self._init_runtime()
         if _add_metadata not in self._optimizer_state_dict_post_hooks.values():
@@ -203,7 +208,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         """
         plan: list[list[WorkItem]] = [[] for _ in self.param_groups]
         for g, group in enumerate(self.param_groups):
-            check_group(group, f"{self.kind} param_groups[{g}]")
+            check_group(group, f"{self.kind} param_groups[{g}]", host_values=not self.capturable)
             self._check_group(group, g)
         for g, _i, p, name in self._iter_params():
             grad = p.grad
@@ -336,10 +341,22 @@ class GefenOptimizer(torch.optim.Optimizer):
     def global_step(self) -> int:
         """Number of ``step()`` calls that updated at least one parameter (a host read of the device counter
         under ``capturable=True``)."""
+        if self._global_step_t is not None:
+            return int(self._global_step_t)
         return self._global_step
 
     def _set_global_step(self, value: int) -> None:
+        """Publish a global step (cannot fail; the device counter is filled in place, keeping its address for
+        captured graphs)."""
         self._global_step = value
+        if self._global_step_t is not None:
+            self._global_step_t.fill_(value)
+
+    def _advance_global_step(self) -> None:
+        if self._global_step_t is not None:
+            self._global_step_t.add_(1)
+        else:
+            self._global_step += 1
 
     def state_bytes(self) -> int:
         """Persistent optimizer state in bytes, measured from the live tensors (codebook included)."""

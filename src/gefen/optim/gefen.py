@@ -28,7 +28,14 @@ from gefen.math.codebook import (
     fit_codebook,
     zero_code_index,
 )
-from gefen.math.fused import lookup_table_as_float, step_scalars
+from gefen.math.fused import (
+    device_step_scalars,
+    factored_roots_,
+    fused_block_step_,
+    fused_factored_update_,
+    lookup_table_as_float,
+    step_scalars,
+)
 from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
     apply_update_,
@@ -45,6 +52,39 @@ from gefen.optim._base import GefenOptimizer, WorkItem
 from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_factorable
 
 __all__ = ["Gefen"]
+
+
+def _check_capture(optimizer: GefenOptimizer) -> None:
+    """Refuse a CUDA-graph capture that cannot work, before anything runs (hardening.md §3.2).
+
+    Raises:
+        StepError: capturing with ``capturable=False`` (host counters would be frozen into the graph), or a
+            parameter that is not on the current capture device.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    if not optimizer.capturable:
+        raise StepError(
+            f"{optimizer.kind}.step() is being captured in a CUDA graph but the optimizer was built with "
+            "capturable=False: its host-side counters would be frozen into the graph. Build it with "
+            "capturable=True and run eager warm-up steps before capturing."
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device != device:
+                raise StepError(
+                    f"{optimizer.kind}(capturable=True): every parameter must be on the current capture device "
+                    f"{device}; found one on {p.device}. Use one optimizer per device."
+                )
+
+
+def _capturing() -> bool:
+    """Inside a ``torch.compile`` trace or a CUDA-graph capture (where host-driven work cannot run)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
 
 #: Elements per chunk of the update on the CPU (rounded to whole blocks/rows): small enough for the cache.
 _CHUNK_ELEMENTS = 1 << 17
@@ -223,12 +263,19 @@ class Gefen(GefenOptimizer):
                 been changed when it is raised.
             ConfigError: a param group's hyperparameter became invalid.
         """
+        _check_capture(self)
         loss = self._evaluate_closure(closure)
         plan = self._prepare()
         if self._amp_skip(plan):  # GradScaler found an overflow: the step is skipped, nothing changes
             return loss
         self._check_finite(plan)
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
+        if fresh and self.capturable and _capturing():
+            raise StepError(
+                f"{self.kind}(capturable=True): {fresh[0].name} gets its first gradient inside a torch.compile "
+                "trace or CUDA-graph capture, but a parameter's first step (period search, codebook) runs on the "
+                "host. Run eager warm-up steps in which every trained parameter has a gradient, then capture."
+            )
         periods = self._search_periods(fresh)  # also refuses non-finite first gradients
         starting = [item for item in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
@@ -240,7 +287,7 @@ class Gefen(GefenOptimizer):
             for item in work
             if self._has_state(item.param) or id(item.param) in periods
         ]
-        kernels = self._compile_jobs(jobs, codebook, periods) if jobs else {}
+        kernels = self._compile_jobs(jobs, codebook, periods) if jobs and not self.capturable else {}
         # ---- nothing above has changed the optimizer; from here on the step is applied
         if codebook is not self._codebook:
             self._set_codebook(codebook)
@@ -255,7 +302,9 @@ class Gefen(GefenOptimizer):
                     continue
                 if id(item.param) in periods:
                     kind = self._second_moment_kind(item.param, group)
-                    self.state[item.param] = init_state(item.param, periods[id(item.param)], kind, zero_code)
+                    self.state[item.param] = init_state(
+                        item.param, periods[id(item.param)], kind, zero_code, counters_on_device=self.capturable
+                    )
                 else:  # all-zero first gradient: only the decoupled decay
                     zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
                     apply_update_(item.param, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
@@ -263,10 +312,70 @@ class Gefen(GefenOptimizer):
             [(item, group, kernels[id(item.param)]) for item, group in jobs if id(item.param) in kernels]
         )
         for item, group in jobs:
-            if id(item.param) not in kernels or id(item.param) in left:
+            if self.capturable:
+                self._update_on_device(item, group)
+            elif id(item.param) not in kernels or id(item.param) in left:
                 self._update(item, group)
-        self._global_step += 1
+        self._advance_global_step()
         return loss
+
+    def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+        """``capturable=True``: one parameter's step with every per-step value computed on its device.
+
+        The same §6.2 / §6.4 chain as the compiled kernels (:mod:`gefen.math.fused`), called directly so that a
+        ``torch.compile`` of the whole ``step()`` fuses it and a CUDA graph can capture it; the constants come
+        from :func:`gefen.math.fused.device_step_scalars` (step counter and ``lr`` read on the device).
+        """
+        view = ParamState.from_dict(self.state[item.param])
+        beta1, beta2 = (as_float(b) for b in group["betas"])
+        view.step.add_(1)
+        factored = view.kind == "factored"
+        scalars = device_step_scalars(
+            beta1, beta2, as_float(group["eps"]), group["lr"], as_float(group["weight_decay"]), view.step, factored
+        )
+        device = item.param.device
+        codebook, lut, thresholds = self._fused_tables(device)
+        table_steps = self._nearest_table(device).steps
+        lerp_high = abs(as_float32(self._ema_weight(group))) >= 0.5
+        blocks = tuple(view.codes.shape)
+        param = item.param.detach()
+        work = param if param.is_contiguous() else param.contiguous()
+        grad = kernel_grad(item.grad, blocks)
+        tables = (codebook, lut, thresholds)
+        if factored:
+            rows, cols = item.param.shape
+            roots = factored_roots_(
+                grad.view(rows, cols),
+                view.second_moment_row,
+                view.second_moment_col,
+                scalars,
+                dense=cols % view.period != 0,
+            )
+            fused_factored_update_(
+                work.view(blocks),
+                grad,
+                view.codes,
+                view.scale,
+                roots,
+                *tables,
+                scalars,
+                steps=table_steps,
+                lerp_high=lerp_high,
+            )
+        else:
+            fused_block_step_(
+                work.view(blocks),
+                grad,
+                view.codes,
+                view.scale,
+                view.second_moment,
+                *tables,
+                scalars,
+                steps=table_steps,
+                lerp_high=lerp_high,
+            )
+        if work is not param:
+            param.copy_(work)
 
     # ------------------------------------------------------------------ compiled fast path
     def _signature(self, item: WorkItem, group: Mapping[str, Any], periods: Mapping[int, int]) -> KernelSignature:

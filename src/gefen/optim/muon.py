@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.compiled import KernelSignature, constants_on, kernel_grad
+from gefen.compiled import KernelSignature, as_float32, constants_on, kernel_grad
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
-from gefen.math.fused import SCALARS
+from gefen.math.fused import SCALARS, fused_momentum_, write_param_
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 from gefen.optim._base import WorkItem
@@ -142,6 +142,32 @@ class GefenMuon(Gefen):
             self._update(item, group, signature)
         return set()
 
+    def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+        """``capturable=True``: the same update with the momentum's pure function called directly and the
+        counters, NorMuon bias correction and ``lr`` read on the device (see :meth:`_update`)."""
+        self._update(item, group)
+
+    def _momentum_on_device(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
+        """``m̂`` (fp32, (B, P)) with the state updated in place, by :func:`gefen.math.fused.fused_momentum_`."""
+        device = item.param.device
+        blocks = tuple(view.codes.shape)
+        out = torch.empty(blocks, dtype=torch.float32, device=device)
+        codebook, lut, thresholds = self._fused_tables(device)
+        weight = torch.full((SCALARS,), 1.0 - beta, dtype=torch.float32, device=device)
+        fused_momentum_(
+            kernel_grad(item.grad, blocks),
+            view.codes,
+            view.scale,
+            out,
+            codebook,
+            lut,
+            thresholds,
+            weight,
+            steps=self._nearest_table(device).steps,
+            lerp_high=abs(as_float32(1.0 - beta)) >= 0.5,
+        )
+        return out
+
     def _compiled_momentum(
         self, item: WorkItem, view: ParamState, signature: KernelSignature, beta: float
     ) -> Tensor | None:
@@ -181,6 +207,8 @@ class GefenMuon(Gefen):
         rows, cols = item.param.shape
         grad = item.grad.to(torch.float32)
         m_hat = self._compiled_momentum(item, view, signature, beta) if signature is not None else None
+        if self.capturable:
+            m_hat = self._momentum_on_device(item, view, beta)
         if m_hat is None:
             moment = update_quantized_moment(
                 view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(item.param.device), beta
@@ -196,12 +224,13 @@ class GefenMuon(Gefen):
         if group["normuon"]:
             if NORMUON_V not in state:  # turned on after the state was created
                 state[NORMUON_V] = torch.zeros(rows, dtype=torch.float32, device=item.param.device)
-                state[NORMUON_STEP] = torch.zeros((), dtype=torch.int64)
+                counter_device = item.param.device if self.capturable else None
+                state[NORMUON_STEP] = torch.zeros((), dtype=torch.int64, device=counter_device)
             state[NORMUON_STEP].add_(1)
             normuon_(
                 orthogonal,
                 state[NORMUON_V],
-                int(state[NORMUON_STEP]),
+                state[NORMUON_STEP].double() if self.capturable else int(state[NORMUON_STEP]),
                 as_float(group["normuon_beta2"]),
                 as_float(group["normuon_eps"]),
             )
@@ -209,6 +238,16 @@ class GefenMuon(Gefen):
             state.pop(NORMUON_V, None)
             state.pop(NORMUON_STEP, None)
         ratio = adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+        if self.capturable:  # lr read on the device
+            lr, device = group["lr"], item.param.device
+            eta = (
+                lr.to(device, torch.float64).reshape(())
+                if isinstance(lr, Tensor)
+                else torch.full((), lr, dtype=torch.float64, device=device)
+            )
+            decay = (1.0 - eta * as_float(group["weight_decay"])).float()
+            write_param_(item.param.detach(), orthogonal.float(), decay, (-eta * ratio).float())
+            return
         apply_update_(item.param, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
 
 
