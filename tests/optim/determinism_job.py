@@ -1,0 +1,64 @@
+"""A fixed training job whose SHA-256 digest (parameters, optimizer state, codebooks) is compared across runs and
+processes by ``test_hardening.py``. Run as ``python -m tests.optim.determinism_job KIND FUSED``; prints the digest."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+
+import gefen
+
+
+def digest(obj: object, h: hashlib._Hash | None = None) -> str:
+    """SHA-256 over tensors (dtype, shape, bytes), dicts (sorted keys), sequences and reprs of the rest."""
+    h = h or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{tuple(obj.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            h.update(str(key).encode())
+            digest(obj[key], h)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            digest(item, h)
+    else:
+        h.update(repr(obj).encode())
+    return h.hexdigest()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)
+    )
+
+
+def build(kind: str, m: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+    if kind == "gefen":
+        return gefen.Gefen(m.named_parameters(), lr=3e-3, weight_decay=0.01, fused=fused, deterministic=True)
+    if kind == "gefen_muon":
+        hidden = [(n, p) for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith("0.")]
+        return gefen.GefenMuon(hidden, lr=3e-3, normuon=True, fused=fused, deterministic=True)
+    return gefen.GefenMuonHybrid(m, lr=3e-3, fused=fused, deterministic=True)
+
+
+def run(kind: str, fused: bool, steps: int = 3) -> str:
+    """Train ``steps`` steps from a fixed seed (the first one learns periods and the codebook); the digest."""
+    m = model()
+    opt = build(kind, m, fused)
+    for s in range(steps):
+        tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s))
+        loss = torch.nn.functional.cross_entropy(m(tokens).reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    children = [opt.muon, opt.backup] if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+    return digest([m.state_dict(), opt.state_dict(), [getattr(c, "codebook", None) for c in children]])
+
+
+if __name__ == "__main__":
+    print(run(sys.argv[1], sys.argv[2] == "1"))
