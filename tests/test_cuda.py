@@ -133,3 +133,103 @@ def test_cuda_compiled_step_never_synchronises_after_the_first_step():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert all(int(opt.state[p]["step"]) == 4 for p in params)
+
+
+def _cuda_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 128), torch.nn.Linear(128, 64)).cuda()
+
+
+def _cuda_grads(model, step):
+    tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(step)).cuda()
+    model.zero_grad(set_to_none=False)
+    model(tokens).square().mean().backward()
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
+def test_cuda_graph_capture_of_a_capturable_step_replays_and_counts_steps(kind):
+    """Warm up 2 eager steps, capture one ``step()`` in a CUDA graph, replay it 3 times with new gradients and a
+    new lr written in place: the parameters follow an eager capturable twin, and the global step is 5 (the device
+    counter is the checkpoint authority, hardening.md §3.3)."""
+
+    def build(model):
+        lr = torch.tensor(1e-2, device="cuda")
+        if kind == "gefen":
+            return gefen.Gefen(model.named_parameters(), lr=lr, capturable=True), [lr]
+        opt = gefen.GefenMuonHybrid(model, lr=lr, backup_lr=lr.clone(), capturable=True)
+        return opt, [g["lr"] for g in opt.param_groups]
+
+    model, twin = _cuda_model(), _cuda_model()
+    opt, lrs = build(model)
+    twin_opt, twin_lrs = build(twin)
+    for s in range(2):
+        _cuda_grads(model, s)
+        opt.step()
+        _cuda_grads(twin, s)
+        twin_opt.step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    children = [opt.muon, opt.backup] if kind == "hybrid" else [opt]
+    for s in range(2, 5):
+        _cuda_grads(model, s)  # same gradient buffers (zero_grad(set_to_none=False))
+        for lr in lrs + twin_lrs:
+            lr.fill_(1e-2 * 0.7 ** (s - 1))
+        graph.replay()
+        _cuda_grads(twin, s)
+        twin_opt.step()
+    torch.cuda.synchronize()
+    # bf16 Newton–Schulz in the Muon half may round differently in the captured stream; Gefen agrees to fp32 rounding
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert float((a - b).norm()) <= 1e-3 * float(b.norm()) + 1e-6
+    assert all(c.global_step == 6 for c in children)  # 2 eager + capture run once + 3 replays
+    assert all(c.state_dict()["gefen"]["global_step"] == 6 for c in children)
+
+
+def test_cuda_capture_of_a_non_capturable_step_is_refused():
+    model = _cuda_model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    _cuda_grads(model, 0)
+    opt.step()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(gefen.StepError, match="capturable=False"):
+        with torch.cuda.graph(graph):
+            opt.step()
+
+
+def test_cuda_fp16_gradscaler_overflow_changes_nothing():
+    torch.manual_seed(0)
+    model = _cuda_model().half()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    _cuda_grads(model, 0)
+    model[1].weight.grad[0, 0] = float("inf")
+    params = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert opt.codebook is None and opt.global_step == 0 and len(opt.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert scaler.get_scale() == 2.0**9
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_deterministic_runs_are_bit_identical(fused):
+    def run():
+        model = _cuda_model()
+        opt = gefen.Gefen(model.named_parameters(), lr=1e-2, deterministic=True, fused=fused)
+        for s in range(3):
+            _cuda_grads(model, s)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    (p1, s1), (p2, s2) = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+    for k, st in s1["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, s2["state"][k][key]), key

@@ -109,8 +109,16 @@ def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
         torch._foreach_mul_(items, inv.to(device))
 
 
+def _finite_in_float32(grad: Tensor) -> Tensor:
+    """0-dim bool: every element is finite once in float32, the dtype the step computes in (a float64 ``1e50``
+    is finite but overflows)."""
+    if grad.dtype == torch.float64:
+        return (grad.abs() <= torch.finfo(torch.float32).max).all()  # NaN compares False
+    return torch.isfinite(grad).all()
+
+
 def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Name of the first gradient holding a NaN or Inf, or ``None`` (one host sync for all of them).
+    """Name of the first gradient holding a NaN or Inf in float32, or ``None`` (one host sync for all of them).
 
     Args:
         named_grads: ``(name, gradient)`` pairs.
@@ -120,6 +128,6 @@ def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
         by_device.setdefault(g.device, []).append(i)
     bad = []
     for indices in by_device.values():
-        ok = torch.stack([torch.isfinite(named_grads[i][1]).all() for i in indices]).cpu()
+        ok = torch.stack([_finite_in_float32(named_grads[i][1]) for i in indices]).cpu()
         bad += [i for i, flag in zip(indices, ok.tolist()) if not flag]
     return named_grads[min(bad)][0] if bad else None

@@ -361,6 +361,7 @@ def stage_load(
     codebook_device: torch.device,
     deterministic: bool = False,
     capturable: bool = False,
+    group_validator: Callable[[Mapping[str, Any], int], None] | None = None,
 ) -> StagedLoad:
     """Validate ``state_dict`` against the live param groups and build the state to publish.
 
@@ -373,6 +374,9 @@ def stage_load(
         codebook_device: where the restored codebook lives.
         deterministic: the live optimizer's policy; a checkpoint tagged with the other one is refused.
         capturable: put the step counters on each parameter's device (``capturable=True``) instead of the CPU.
+        group_validator: the optimizer's own per-group check ``(group, index)`` (e.g. GefenMuon's momentum,
+            Newton–Schulz and NorMuon options), run on every saved group; its ``ValueError`` becomes a
+            :class:`CheckpointError`.
 
     Returns:
         :class:`StagedLoad`.
@@ -407,6 +411,11 @@ def stage_load(
                 f"{where} has {len(saved['params'])} parameters, the live group has {len(live['params'])}."
             )
         check_group(saved, where, CheckpointError)
+        if group_validator is not None:
+            try:
+                group_validator(saved, g)
+            except (ValueError, TypeError) as exc:
+                raise CheckpointError(f"{where}: {exc}") from None
         saved_names, live_names = saved.get("param_names"), live.get("param_names")
         if saved_names is not None and live_names is not None and list(saved_names) != list(live_names):
             diff = (

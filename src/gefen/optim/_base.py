@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
-from gefen.checkpoint import attach_metadata, build_metadata, stage_load
+from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
@@ -251,20 +251,34 @@ class GefenOptimizer(torch.optim.Optimizer):
         return False
 
     def _check_finite(self, plan: list[list[WorkItem]]) -> None:
-        """With ``nonfinite="raise"`` (implied by ``deterministic=True``): refuse NaN/Inf gradients.
+        """Refuse NaN/Inf gradients: every gradient with ``nonfinite="raise"`` (implied by ``deterministic=True``),
+        else only the first gradient of a parameter without state (its period search and the codebook need
+        finite values). One host sync; nothing is changed when it raises.
 
         Raises:
-            StepError: the first parameter whose gradient is not finite (nothing changed).
+            StepError: naming the first such parameter.
         """
-        if self.nonfinite != "raise":
+        everything = self.nonfinite == "raise"
+        named = [
+            (item.name, item.grad)
+            for work in plan
+            for item in work
+            if everything or STEP not in self.state.get(item.param, ())
+        ]
+        bad = first_nonfinite(named)
+        if bad is None:
             return
-        bad = first_nonfinite([(item.name, item.grad) for work in plan for item in work])
-        if bad is not None:
+        if everything:
             why = "deterministic=True" if self.deterministic else "nonfinite='raise'"
             raise StepError(
                 f"{self.kind}: the gradient of {bad} has NaN or Inf values and {why} refuses such steps; nothing "
                 "was changed. Skip the step (torch.amp.GradScaler does this for overflows) or find the source."
             )
+        raise StepError(
+            f"{self.kind}: the first gradient of {bad} has NaN or Inf values (in float32); the period search and "
+            "the codebook need finite gradients (use torch.amp.GradScaler, which skips such steps, or skip the "
+            "step yourself). Nothing was changed."
+        )
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
@@ -297,12 +311,22 @@ class GefenOptimizer(torch.optim.Optimizer):
             CheckpointError: the dict does not fit this optimizer (see :func:`gefen.checkpoint.stage_load`);
                 the optimizer and the caller's dict are left unchanged.
         """
+        staged = self._stage_load(state_dict)
+        self._publish_load(staged)
+        self._run_load_post_hooks()
+
+    def _stage_load(self, state_dict: Any) -> StagedLoad:
+        """Run the load pre-hooks on a shallow copy, then validate and build everything (changes nothing).
+
+        Raises:
+            CheckpointError: see :func:`gefen.checkpoint.stage_load`.
+        """
         sd: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, sd)
             if out is not None:
                 sd = out
-        staged = stage_load(
+        return stage_load(
             sd,
             optimizer_kind=self.kind,
             live_groups=self.param_groups,
@@ -310,12 +334,17 @@ class GefenOptimizer(torch.optim.Optimizer):
             codebook_device=self._codebook_device(),
             deterministic=self.deterministic,
             capturable=self.capturable,
+            group_validator=self._check_group,
         )
-        # Publish: plain assignments only, nothing below can fail half-way.
+
+    def _publish_load(self, staged: StagedLoad) -> None:
+        """Publish a staged load: plain assignments only, nothing here can fail half-way."""
         self.state = defaultdict(dict, staged.state)
         self.param_groups = staged.param_groups
         self._set_codebook(staged.codebook)
         self._set_global_step(staged.global_step)
+
+    def _run_load_post_hooks(self) -> None:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.checkpoint import StagedLoad
 from gefen.compiled import (
     COMPILED_DTYPES,
     KernelSignature,
@@ -216,14 +217,12 @@ class Gefen(GefenOptimizer):
         }
         super().__init__(params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint (see :class:`gefen.optim._base.GefenOptimizer`), keeping each group's live ``fused``.
-
-        Saved hyperparameters win as in ``torch.optim``, but ``fused`` says how this process runs the step, not
-        how the run trains (both paths give the same state), so a checkpoint never switches it.
-        """
+    def _publish_load(self, staged: StagedLoad) -> None:
+        """Publish a load, keeping each group's live ``fused``: saved hyperparameters win as in ``torch.optim``,
+        but ``fused`` says how this process runs the step, not how the run trains (both paths give the same
+        state), so a checkpoint never switches it."""
         live = [group.get("fused") for group in self.param_groups]
-        super().load_state_dict(state_dict)
+        super()._publish_load(staged)
         for group, fused in zip(self.param_groups, live):
             group["fused"] = fused
 
@@ -268,7 +267,6 @@ class Gefen(GefenOptimizer):
         plan = self._prepare()
         if self._amp_skip(plan):  # GradScaler found an overflow: the step is skipped, nothing changes
             return loss
-        self._check_finite(plan)
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
         if fresh and self.capturable and _capturing():
             raise StepError(
@@ -276,7 +274,8 @@ class Gefen(GefenOptimizer):
                 "trace or CUDA-graph capture, but a parameter's first step (period search, codebook) runs on the "
                 "host. Run eager warm-up steps in which every trained parameter has a gradient, then capture."
             )
-        periods = self._search_periods(fresh)  # also refuses non-finite first gradients
+        self._check_finite(plan)
+        periods = self._search_periods(fresh)
         starting = [item for item in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
         if codebook is None and starting:
@@ -535,17 +534,11 @@ class Gefen(GefenOptimizer):
 
         A parameter whose gradient is exactly zero everywhere carries no information for the period search or
         the codebook: it gets no state yet (its first moment and second moment would both stay 0) and starts at
-        its first non-zero gradient. Refuses gradients that are not finite in fp32 before anything changes.
+        its first non-zero gradient. The gradients were checked finite by :meth:`_check_finite`.
         """
         periods = {}
         for item in fresh:
             g32 = item.grad.to(torch.float32)
-            if not bool(torch.isfinite(g32).all()):
-                raise StepError(
-                    f"Gefen: the first gradient of {item.name} has NaN or Inf values (in float32); the period "
-                    "search and the codebook need finite gradients (use torch.amp.GradScaler, which skips such "
-                    "steps, or skip the step yourself). Nothing was changed."
-                )
             if bool(g32.any()):
                 periods[id(item.param)] = find_period(g32)
         return periods

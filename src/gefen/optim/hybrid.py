@@ -9,7 +9,9 @@ biases, 0-D and N-D tensors) goes to the backup.
 
 from __future__ import annotations
 
+import copy
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -17,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
-from gefen.checkpoint import stage_load
 from gefen.errors import CheckpointError, ConfigError, StepError
-from gefen.hyperparams import check_flags
+from gefen.hyperparams import check_flags, check_group
 from gefen.optim._base import WorkItem, resolve_nonfinite
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
@@ -279,6 +280,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         if backup:
             blr = lr if backup_lr is None else backup_lr
             bwd = wd if backup_weight_decay is None else backup_weight_decay
+            check_group({"lr": blr, "betas": betas, "eps": eps, "weight_decay": bwd}, "GefenMuonHybrid backup")
             if backup_optimizer == "gefen":
                 self.backup = Gefen(
                     backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False, **policies
@@ -293,12 +295,12 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 )
         first = self._children()[0]
         self.defaults = first.defaults
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad#GefenMuonHybrid.zero_grad"
         self._patch_step_function()
 
@@ -382,70 +384,116 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         controls = read_amp_controls(self, "GefenMuonHybrid")
         if controls is not None and controls.overflow:
             return loss
-        named = [(item.name, item.grad) for _, items in plans for item in items]
         if controls is not None and controls.grad_scale is not None:
-            unscale_grads_([grad for _, grad in named], controls.grad_scale)
-        if self.nonfinite == "raise":
-            bad = first_nonfinite(named)
-            if bad is not None:
-                raise StepError(
-                    f"GefenMuonHybrid: the gradient of {bad} has NaN or Inf values and "
-                    f"{'deterministic=True' if self.deterministic else 'nonfinite=raise'} refuses such steps; "
-                    "nothing was changed in either half."
-                )
+            unscale_grads_([item.grad for _, items in plans for item in items], controls.grad_scale)
+        for child, items in plans:  # before either half changes: NaN/Inf policy and first gradients
+            if isinstance(child, Gefen):
+                child._check_finite([items])
+            elif self.nonfinite == "raise":
+                bad = first_nonfinite([(item.name, item.grad) for item in items])
+                if bad is not None:
+                    raise StepError(
+                        f"GefenMuonHybrid: the gradient of {bad} has NaN or Inf values and "
+                        f"{'deterministic=True' if self.deterministic else 'nonfinite=raise'} refuses such steps; "
+                        "nothing was changed in either half."
+                    )
         for child in self._children():
             child.step()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name}``."""
-        return {
+        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name}``.
+
+        The hybrid's own state-dict pre-hooks run first and its post-hooks last (each child runs its own too).
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = {
             "muon": None if self.muon is None else self.muon.state_dict(),
             "backup": None if self.backup is None else self.backup.state_dict(),
             "backup_optimizer": self.backup_optimizer,
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a hybrid checkpoint; both halves are validated before either changes.
+        """Load a hybrid checkpoint in three phases: check the layout, stage (fully validate) both halves, then
+        commit both with plain assignments; only then run the children's and the hybrid's post-hooks.
+
+        The hybrid's load pre-hooks run once on a shallow copy; a refused load changes neither half and runs no
+        post-hook; a post-hook that raises finds both halves already at the new state (never half a hybrid).
 
         Raises:
             CheckpointError: not a hybrid checkpoint, another backup backend, a half present in one and missing in
                 the other, or a half that fails its own validation.
         """
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"muon", "backup", "backup_optimizer"}:
-            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        sd: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        if not isinstance(sd, Mapping) or set(sd) != {"muon", "backup", "backup_optimizer"}:
+            keys = sorted(sd) if isinstance(sd, Mapping) else type(sd).__name__
             raise CheckpointError(
                 f"not a GefenMuonHybrid checkpoint (keys {keys}); expected 'muon', 'backup', 'backup_optimizer'."
             )
-        if state_dict["backup_optimizer"] != self.backup_optimizer:
+        if sd["backup_optimizer"] != self.backup_optimizer:
             raise CheckpointError(
-                f"checkpoint's backup optimizer is {state_dict['backup_optimizer']!r}, this hybrid's "
-                f"{self.backup_optimizer!r}; build the hybrid with backup_optimizer={state_dict['backup_optimizer']!r}."
+                f"checkpoint's backup optimizer is {sd['backup_optimizer']!r}, this hybrid's "
+                f"{self.backup_optimizer!r}; build the hybrid with backup_optimizer={sd['backup_optimizer']!r}."
             )
         for half, child in (("muon", self.muon), ("backup", self.backup)):
-            if (state_dict[half] is None) != (child is None):
+            if (sd[half] is None) != (child is None):
                 raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")
-        # stage: validate each half on a throw-away twin before touching the real children
-        for half, child in (("muon", self.muon), ("backup", self.backup)):
-            if child is not None:
-                _validate_on_twin(child, state_dict[half], half)
-        for half, child in (("muon", self.muon), ("backup", self.backup)):
-            if child is not None:
-                child.load_state_dict(state_dict[half])
+        staged = [
+            (child, _stage_half(child, sd[half], half))
+            for half, child in (("muon", self.muon), ("backup", self.backup))
+            if child is not None
+        ]
+        for child, half_state in staged:  # commit: plain assignments
+            if isinstance(child, Gefen):
+                child._publish_load(half_state)
+            else:
+                child.__setstate__({"state": half_state.state, "param_groups": half_state.param_groups})
+        for child, _ in staged:
+            if isinstance(child, Gefen):
+                child._run_load_post_hooks()
+            else:
+                for post_hook in child._optimizer_load_state_dict_post_hooks.values():
+                    post_hook(child)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _check_torch_child_grads(child: torch.optim.Optimizer) -> list[WorkItem]:
-    """The gradient checks of :meth:`gefen.optim._base.GefenOptimizer._prepare` for a torch backup (AdamW), so a
-    bad gradient there is refused before the Muon half steps. Returns the parameters with a gradient."""
+    """The group and gradient checks of :meth:`gefen.optim._base.GefenOptimizer._prepare` for a torch backup
+    (AdamW), so a bad hyperparameter or gradient there is refused before the Muon half steps. Returns the
+    parameters with a gradient.
+
+    Raises:
+        ConfigError: an invalid lr, betas, eps or weight decay in a backup group (e.g. set by hand).
+        StepError: a sparse, non-strided, complex, non-floating or wrongly shaped gradient.
+    """
     items = []
     for g, group in enumerate(child.param_groups):
+        check_group(group, f"GefenMuonHybrid backup param_groups[{g}]")
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
                 continue
             name = names[i] if names else f"backup param_groups[{g}][{i}]"
-            if grad.is_sparse or grad.layout != torch.strided or grad.is_complex() or grad.shape != p.shape:
+            if (
+                grad.is_sparse
+                or grad.layout != torch.strided
+                or grad.is_complex()
+                or not grad.is_floating_point()
+                or grad.shape != p.shape
+                or grad.device != p.device
+            ):
                 raise StepError(
                     f"GefenMuonHybrid: the gradient of {name} (layout {grad.layout}, dtype {grad.dtype}, shape "
                     f"{tuple(grad.shape)}) cannot be used by the AdamW backup; nothing was changed."
@@ -454,23 +502,56 @@ def _check_torch_child_grads(child: torch.optim.Optimizer) -> list[WorkItem]:
     return items
 
 
-def _validate_on_twin(child: torch.optim.Optimizer, half: Any, name: str) -> None:
-    """Load ``half`` into a fresh optimizer of the same kind on the same parameters (no state is shared)."""
+def _stage_half(child: torch.optim.Optimizer, half: Any, name: str) -> Any:
+    """Stage one half without touching ``child``: a Gefen child through its own staged load; a torch (AdamW)
+    child by loading a deep copy of the half into a throw-away twin over the same parameters (torch's own loader
+    is not fail-before-mutation, and would share the caller's tensors) and checking the result.
+
+    Returns:
+        A :class:`gefen.checkpoint.StagedLoad` (Gefen) or the twin optimizer (AdamW), ready to commit.
+
+    Raises:
+        CheckpointError: naming the half.
+    """
     try:
         if isinstance(child, Gefen):
-            stage_load(
-                half,
-                optimizer_kind=child.kind,
-                live_groups=child.param_groups,
-                second_moment_kind=child._second_moment_kind,
-                codebook_device=child._codebook_device(),
-                deterministic=child.deterministic,
-                capturable=child.capturable,
-            )
-        else:
-            twin = type(child)([dict(g, params=list(g["params"])) for g in child.param_groups])
-            twin.load_state_dict(half)
+            return child._stage_load(half)
+        twin = type(child)([dict(g, params=list(g["params"])) for g in child.param_groups])
+        twin.load_state_dict(copy.deepcopy(half))
+        _check_torch_state(twin)
+        return twin
     except CheckpointError as exc:
         raise CheckpointError(f"{name} half: {exc}") from exc
     except Exception as exc:
         raise CheckpointError(f"{name} half does not fit: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_torch_state(optimizer: torch.optim.Optimizer) -> None:
+    """Check a loaded AdamW state against its parameters (torch checks only counts): every entry has ``step``;
+    moment tensors have the parameter's shape, are finite, and second moments are ``>= 0``.
+
+    Raises:
+        CheckpointError: the first problem found.
+    """
+    for g, group in enumerate(optimizer.param_groups):
+        check_group(group, f"param_groups[{g}]", CheckpointError)
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            name = names[i] if names else f"param_groups[{g}][{i}]"
+            if "step" not in st:
+                raise CheckpointError(f"state of {name} has no 'step'.")
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                value = st.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, Tensor) or value.shape != p.shape:
+                    shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise CheckpointError(
+                        f"state of {name}: '{key}' has shape {shape}, the parameter {tuple(p.shape)}."
+                    )
+                bad = ~torch.isfinite(value) if key == "exp_avg" else ~(torch.isfinite(value) & (value >= 0))
+                if bool(bad.any()):
+                    raise CheckpointError(f"state of {name}: '{key}' has negative or non-finite values.")

@@ -117,7 +117,16 @@ class GefenMuon(Gefen):
 
     # ------------------------------------------------------------------ hooks of the shared machinery
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
-        _check_muon_group(group, f"GefenMuon param_groups[{index}]")
+        where = f"GefenMuon param_groups[{index}]"
+        _check_muon_group(group, where)
+        for i, p in enumerate(group["params"]):
+            if isinstance(p, Tensor) and p.dim() != 2:
+                raise ConfigError(
+                    f"{where}['params'][{i}] now has shape {tuple(p.shape)}; GefenMuon steps 2-D matrices only. A "
+                    "wrapper (e.g. DeepSpeed ZeRO) replaced the parameters by flat partitions after the optimizer "
+                    "was built, which Muon cannot orthogonalise; nothing was changed. Use FSDP2 (fully_shard) or "
+                    "DDP, or gefen.Gefen for ZeRO."
+                )
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         _check_muon_group(group, where)

@@ -1,0 +1,1135 @@
+"""One table-driven catalogue of bad inputs and faults (hardening.md §6 and §10), for every Gefen optimizer.
+
+Each :class:`Case` names the optimizer (``gefen``, ``muon``, ``hybrid_gefen``, ``hybrid_adamw``), the phase
+(``construct``, ``step`` or ``load``), the fault, the exception it must raise and a regex of its message. A few
+parametrized drivers run them:
+
+* construct: the constructor raises.
+* step: the fault is applied to a rig on its very first step (no state, the codebook must stay ``None``) and after
+  two good steps; ``step()`` raises and afterwards everything is bit-identical (parameter values and dtypes, the full
+  ``state_dict()`` including the nested hybrid halves, every codebook, every global step, the live state containers
+  and tensor objects); a later good step then gives the same parameters and state as a control that never saw the
+  fault. ``exc=None`` marks a documented contrast (the call must *not* raise).
+* amp: true fp16 parameters with ``torch.amp.GradScaler("cpu")`` and an ``inf`` in one gradient: ``scaler.step``
+  changes nothing, the scale is halved, and the next step matches a control.
+* load: a corrupted copy of a real (``torch.save``/``torch.load`` round-tripped) checkpoint is refused, nothing
+  changes, the caller's dict is not mutated, and a later good step matches a control.
+
+Tensors are compared bit for bit (dtype, shape and raw bytes), which is ``torch.equal`` plus NaN payloads.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gefen
+from gefen import CheckpointError, ConfigError, StepError
+from gefen.checkpoint import GROUP_METADATA_KEY, METADATA_KEY, SCHEMA_VERSION
+
+pytestmark = pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+
+KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
+NAN, INF = float("nan"), float("inf")
+WARM = 2  # good steps before a fault "after warm-up"
+FAULT_SEED, GOOD_SEED = 50, 100
+
+
+class Boom(Exception):
+    """Raised by a user closure."""
+
+
+# ============================================================================================ rigs
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "muon":  # GefenMuon takes 2-D matrices only
+        return nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32), nn.Linear(32, 16))
+
+
+def _build(kind: str, model: nn.Module, **options: Any) -> torch.optim.Optimizer:
+    """The optimizer under test; Gefen and GefenMuon get two caller groups (so group mirrors can disagree)."""
+    kw = {"lr": 1e-2, "fused": False, **options}
+    named = list(model.named_parameters())
+    if kind == "gefen":  # 0.weight (embedding), 1.weight, 1.bias | 2.weight, 2.bias
+        return gefen.Gefen([{"params": named[:3]}, {"params": named[3:], "weight_decay": 0.1}], **kw)
+    if kind == "muon":  # 0.weight | 1.weight, NorMuon on (its state has normuon_v / normuon_step)
+        return gefen.GefenMuon([{"params": named[:1]}, {"params": named[1:]}], normuon=True, **kw)
+    # Muon half: 1.weight, 2.weight; backup half: 0.weight (embedding), 1.bias, 2.bias
+    kw.setdefault("backup_optimizer", kind.split("_")[1])
+    return gefen.GefenMuonHybrid(model, **kw)
+
+
+@dataclass
+class Rig:
+    kind: str
+    model: nn.Module
+    opt: Any
+    scaler: torch.amp.GradScaler | None = None
+    closure: Callable[[], Any] | None = None
+    calls: list[str] = field(default_factory=list)
+
+    def param(self, name: str) -> nn.Parameter:
+        return dict(self.model.named_parameters())[name]
+
+
+def _set_grads(rig: Rig, seed: int) -> None:
+    """Deterministic dense gradients 0.01·N(0,1) for every parameter (scaled by the rig's GradScaler if any)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = list(rig.model.parameters())
+    loss = sum((p.float() * torch.randn(p.shape, generator=gen)).sum() for p in params) * 0.01
+    for p in params:
+        p.grad = None
+    (loss if rig.scaler is None else rig.scaler.scale(loss)).backward()
+
+
+def _step(rig: Rig) -> Any:
+    if rig.scaler is None:
+        return rig.opt.step()
+    out = rig.scaler.step(rig.opt)
+    rig.scaler.update()
+    return out
+
+
+def _fresh(kind: str, options: dict[str, Any], amp: bool = False) -> Rig:
+    model = _model(kind)
+    opts = dict(options)
+    if amp:
+        model.half()
+        if kind == "hybrid_adamw":
+            opts.setdefault("eps", 1e-3)  # torch AdamW keeps fp16 moments: eps=1e-8 would round to 0 (0/0 = NaN)
+    rig = Rig(kind, model, _build(kind, model, **opts))
+    if amp:
+        rig.scaler = torch.amp.GradScaler("cpu")
+    return rig
+
+
+def _warm(rig: Rig, steps: int) -> Rig:
+    for s in range(steps):
+        _set_grads(rig, s)
+        _step(rig)
+    return rig
+
+
+def _key(options: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(options.items()))
+
+
+_TEMPLATES: dict[Any, Rig] = {}
+
+
+def _rig(kind: str, options: dict[str, Any], warm: int) -> Rig:
+    """A rig after ``warm`` good steps (fp32; warm rigs are deep copies of one cached template)."""
+    if warm == 0:
+        return _fresh(kind, options)
+    key = (kind, _key(options), warm)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = _warm(_fresh(kind, options), warm)
+    model, opt = copy.deepcopy((_TEMPLATES[key].model, _TEMPLATES[key].opt))
+    return Rig(kind, model, opt)
+
+
+_CONTROLS: dict[Any, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+
+
+def _control(kind: str, options: dict[str, Any], warm: int, amp: bool = False) -> tuple[list[Any], dict[str, Any]]:
+    """Parameters and state dict of a freshly built optimizer that never saw a fault: warm-up, then the good step."""
+    key = (kind, _key(options), warm, amp)
+    if key not in _CONTROLS:
+        rig = _warm(_fresh(kind, options, amp), warm)
+        _set_grads(rig, GOOD_SEED)
+        _step(rig)
+        _CONTROLS[key] = ([p.detach().clone() for p in rig.model.parameters()], copy.deepcopy(rig.opt.state_dict()))
+    return _CONTROLS[key]
+
+
+def _assert_matches_control(rig: Rig, options: dict[str, Any], warm: int, amp: bool = False) -> None:
+    params, state_dict = _control(rig.kind, options, warm, amp)
+    _set_grads(rig, GOOD_SEED)
+    _step(rig)
+    for (name, p), q in zip(rig.model.named_parameters(), params):
+        _assert_same(p.detach(), q, f"param {name} after a good step")
+    _assert_same(rig.opt.state_dict(), state_dict, "state_dict after a good step")
+
+
+# ============================================================================================ comparisons
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Recursive bit-identity of nested dicts/lists/tuples/tensors/scalars (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), path
+        assert (a.dtype, a.shape, a.layout, a.device) == (b.dtype, b.shape, b.layout, b.device), path
+        assert torch.equal(_bits(a), _bits(b)), path
+        return
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert a == b or (math.isnan(a) and math.isnan(b)), f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _children(opt: Any) -> list[Any]:
+    return opt._children() if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+
+
+def _snapshot(rig: Rig) -> dict[str, Any]:
+    children = _children(rig.opt)
+    return {
+        "params": [(n, p.detach().clone()) for n, p in rig.model.named_parameters()],
+        "state_dict": copy.deepcopy(rig.opt.state_dict()),
+        "codebooks": [copy.deepcopy(getattr(c, "codebook", None)) for c in children],
+        "global_steps": [getattr(c, "global_step", None) for c in children],
+        # the live containers and tensor objects themselves (a refusal must not swap them)
+        "objects": [
+            (
+                id(c.state),
+                id(c.param_groups),
+                [id(g) for g in c.param_groups],
+                {id(p): {k: id(v) for k, v in s.items()} for p, s in c.state.items()},
+            )
+            for c in children
+        ],
+    }
+
+
+def _assert_unchanged(rig: Rig, before: dict[str, Any]) -> None:
+    after = _snapshot(rig)
+    for (name, old), (_, new) in zip(before["params"], after["params"]):
+        _assert_same(new, old, f"param {name}")
+    _assert_same(after["state_dict"], before["state_dict"], "state_dict")
+    _assert_same(after["codebooks"], before["codebooks"], "codebook")
+    assert after["global_steps"] == before["global_steps"]
+    assert after["objects"] == before["objects"], "live state / param_groups objects were replaced"
+
+
+# ============================================================================================ the catalogue
+@dataclass(frozen=True)
+class Case:
+    """One bad input or fault.
+
+    Attributes:
+        id: test id.
+        kind: ``gefen`` | ``muon`` | ``hybrid_gefen`` | ``hybrid_adamw``.
+        phase: ``construct`` | ``step`` | ``load``.
+        fault: construct: ``() -> None`` (``None``: build with ``options``); step: ``(rig) -> undo | None``,
+            applied after the step's gradients are set; load: ``(checkpoint, rig) -> dict to load``.
+        exc: expected exception type; ``None``: must not raise (documented contrast / skipped AMP step).
+        match: regex the message must contain.
+        warm: good steps before the fault (0: the very first step / a fresh optimizer).
+        options: keyword arguments of the optimizer under test.
+        source: load only: keyword arguments of the optimizer that saved the checkpoint.
+        amp: step only: true fp16 parameters driven by ``torch.amp.GradScaler("cpu")``.
+        after: extra check ``(rig) -> None`` once the fault was refused.
+        xfail: reason, for a known source discrepancy (strict).
+    """
+
+    id: str
+    kind: str
+    phase: str
+    fault: Callable[..., Any] | None
+    exc: type[BaseException] | None
+    match: str = ""
+    warm: tuple[int, ...] = (0, WARM)
+    options: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    amp: bool = False
+    after: Callable[[Rig], None] | None = None
+    xfail: str | None = None
+
+
+CASES: list[Case] = []
+
+
+def _add(*cases: Case) -> None:
+    CASES.extend(cases)
+
+
+# -------------------------------------------------------------------------------------------- construct
+def construct(id: str, kind: str, exc: type[BaseException], match: str, fault=None, **options: Any) -> Case:
+    return Case(id, kind, "construct", fault, exc, match, warm=(), options=options)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape))
+
+
+def _in_two_groups(w: nn.Parameter) -> Any:
+    return gefen.Gefen([{"params": [w]}, {"params": [w]}], fused=False)
+
+
+def _duplicate(kind: str) -> Callable[[], Any]:
+    w = _param(4, 4)
+    if kind == "gefen":
+        return lambda: gefen.Gefen([w, w], fused=False)
+    if kind == "muon":
+        return lambda: gefen.GefenMuon([w, w], fused=False)
+    return lambda: gefen.GefenMuonHybrid([("a.weight", w), ("b.weight", w)], lr=1e-3, fused=False)
+
+
+_add(
+    construct("deterministic=1", "gefen", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct("deterministic='true'", "gefen", TypeError, r"deterministic='true' must be a bool", deterministic="true"),
+    construct("deterministic=1", "muon", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct("deterministic=1", "hybrid_gefen", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct(
+        "deterministic='true'", "hybrid_adamw", TypeError, r"deterministic.*must be a bool", deterministic="true"
+    ),
+    construct("capturable=1", "gefen", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct("capturable=1", "muon", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct("capturable=1", "hybrid_gefen", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct("nonfinite='maybe'", "gefen", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct("nonfinite='maybe'", "muon", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct("nonfinite='maybe'", "hybrid_adamw", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct(
+        "deterministic+ignore", "gefen", ConfigError, r"refuses non-finite", deterministic=True, nonfinite="ignore"
+    ),
+    construct(
+        "deterministic+ignore",
+        "hybrid_gefen",
+        ConfigError,
+        r"refuses non-finite",
+        deterministic=True,
+        nonfinite="ignore",
+    ),
+    construct(
+        "capturable+deterministic",
+        "gefen",
+        ConfigError,
+        r"capturable=True.*deterministic=True",
+        capturable=True,
+        deterministic=True,
+    ),
+    construct(
+        "capturable+deterministic",
+        "muon",
+        ConfigError,
+        r"capturable=True.*deterministic=True",
+        capturable=True,
+        deterministic=True,
+    ),
+    construct(
+        "capturable+raise",
+        "gefen",
+        ConfigError,
+        r"capturable=True.*nonfinite='raise'",
+        capturable=True,
+        nonfinite="raise",
+    ),
+    construct(
+        "capturable+raise",
+        "hybrid_gefen",
+        ConfigError,
+        r"capturable=True.*nonfinite='raise'",
+        capturable=True,
+        nonfinite="raise",
+    ),
+    construct("eps=0", "gefen", ConfigError, r"\['eps'\]=0\.0 must be a finite number > 0", eps=0.0),
+    construct("eps=-1", "gefen", ConfigError, r"\['eps'\]=-1.* > 0", eps=-1.0),
+    construct("eps=nan", "gefen", ConfigError, r"\['eps'\]=nan.* > 0", eps=NAN),
+    construct("eps=inf", "gefen", ConfigError, r"\['eps'\]=inf.* > 0", eps=INF),
+    construct("eps=0", "muon", ConfigError, r"\['eps'\]=0\.0", eps=0.0),
+    construct("eps=nan", "muon", ConfigError, r"\['eps'\]=nan", eps=NAN),
+    construct("normuon_eps=0", "muon", ConfigError, r"normuon_eps", normuon_eps=0.0),
+    construct("eps=0", "hybrid_gefen", ConfigError, r"\['eps'\]=0\.0", eps=0.0),
+    construct("eps=-1", "hybrid_adamw", ValueError, r"(?i)eps", eps=-1.0),
+    construct(
+        "betas=(0.9,1.0)", "gefen", ConfigError, r"\['betas'\]\[1\]=1\.0 must be a number in \[0, 1\)", betas=(0.9, 1.0)
+    ),
+    construct("betas=(0.9,1.0)", "hybrid_gefen", ConfigError, r"\['betas'\]\[1\]", betas=(0.9, 1.0)),
+    construct("betas=(0.9,1.0)", "hybrid_adamw", ValueError, r"(?i)beta", betas=(0.9, 1.0)),
+    construct("lr=-1", "gefen", ConfigError, r"\['lr'\]=-1\.0 must be a finite number >= 0", lr=-1.0),
+    construct("lr=-1", "muon", ConfigError, r"\['lr'\]=-1\.0", lr=-1.0),
+    construct("lr=-1", "hybrid_adamw", ConfigError, r"\['lr'\]=-1\.0", lr=-1.0),
+    construct("lr=2-element tensor", "gefen", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
+    construct("lr=2-element tensor", "muon", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
+    construct("weight_decay=-0.1", "gefen", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
+    construct("weight_decay=-0.1", "muon", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
+    construct("momentum=1.0", "muon", ConfigError, r"\['momentum'\]=1\.0 must be a number in \[0, 1\)", momentum=1.0),
+    construct("momentum=1.0", "hybrid_gefen", ConfigError, r"\['momentum'\]=1\.0", momentum=1.0),
+    construct(
+        "1-D parameter",
+        "muon",
+        ConfigError,
+        r"shape \(16,\); GefenMuon optimizes 2-D",
+        fault=lambda: gefen.GefenMuon([_param(16)], fused=False),
+    ),
+    construct("backup_optimizer='sgd'", "hybrid_gefen", ConfigError, r"backup_optimizer='sgd'", backup_optimizer="sgd"),
+    construct(
+        "capturable with adamw backup",
+        "hybrid_adamw",
+        ConfigError,
+        r"capturable=True, backup_optimizer='adamw'.*not supported",
+        capturable=True,
+    ),
+    construct("empty params", "gefen", ValueError, r"empty", fault=lambda: gefen.Gefen([], fused=False)),
+    construct("empty params", "muon", ValueError, r"empty", fault=lambda: gefen.GefenMuon([], fused=False)),
+    construct(
+        "no trainable params",
+        "hybrid_gefen",
+        ConfigError,
+        r"no trainable parameter",
+        fault=lambda: gefen.GefenMuonHybrid(nn.Linear(4, 4).requires_grad_(False), lr=1e-3, fused=False),
+    ),
+    construct("duplicate param", "gefen", ConfigError, r"same parameter twice", fault=_duplicate("gefen")),
+    construct("duplicate param", "muon", ConfigError, r"same parameter twice", fault=_duplicate("muon")),
+    construct("duplicate param", "hybrid_gefen", ValueError, r"appears twice", fault=_duplicate("hybrid_gefen")),
+    construct(
+        "param in two groups",
+        "gefen",
+        ValueError,
+        r"more than one parameter group",
+        fault=lambda: _in_two_groups(_param(4, 4)),
+    ),
+)
+
+
+# -------------------------------------------------------------------------------------------- step faults
+def step(id: str, kind: str, fault, exc, match: str, warm=(0, WARM), xfail=None, after=None, **options) -> Case:
+    return Case(id, kind, "step", fault, exc, match, warm=warm, options=options, xfail=xfail, after=after)
+
+
+def _sparse(name: str):
+    def fault(rig: Rig) -> None:
+        p = rig.param(name)
+        p.grad = p.grad.to_sparse()
+
+    return fault
+
+
+def _regrad(name: str, make: Callable[[torch.Tensor], torch.Tensor]):
+    """Swap the gradient's payload through ``.data`` (the ``.grad`` setter itself refuses other dtypes/shapes)."""
+
+    def fault(rig: Rig) -> None:
+        p = rig.param(name)
+        p.grad.data = make(p)
+
+    return fault
+
+
+def _poison(name: str, value: float):
+    def fault(rig: Rig) -> None:
+        rig.param(name).grad.view(-1)[3] = value
+
+    return fault
+
+
+def _closure_raises(rig: Rig):
+    def closure() -> Any:
+        raise Boom("boom from the user's closure")
+
+    rig.closure = closure
+    return lambda: setattr(rig, "closure", None)
+
+
+def _set_group(index: int, **values: Any):
+    def fault(rig: Rig):
+        group = rig.opt.param_groups[index]
+        old = {k: group[k] for k in values}
+        group.update(values)
+        return lambda: group.update(old)
+
+    return fault
+
+
+def _amp_controls(**attrs: Any):
+    def fault(rig: Rig):
+        for k, v in attrs.items():
+            setattr(rig.opt, k, v)
+        return lambda: [delattr(rig.opt, k) for k in attrs]
+
+    return fault
+
+
+def _flatten_param(name: str):
+    """What ZeRO does to a Muon group: the 2-D parameter's storage is swapped for a flat 1-D partition."""
+
+    def fault(rig: Rig):
+        p = rig.param(name)
+        saved_data, saved_grad = p.data, p.grad
+        p.data = saved_data.reshape(-1).clone()
+        p.grad = saved_grad.reshape(-1).clone()
+
+        def undo() -> None:
+            p.data = saved_data
+            p.grad = None
+
+        return undo
+
+    return fault
+
+
+# the parameter that receives the bad gradient: the second one; for the hybrids once in each half
+TARGETS = {
+    "gefen": ("1.weight",),
+    "muon": ("1.weight",),
+    "hybrid_gefen": ("2.weight", "1.bias"),  # Muon half, backup half
+    "hybrid_adamw": ("2.weight", "1.bias"),
+}
+BACKUP = {"gefen": "1.weight", "muon": "1.weight", "hybrid_gefen": "1.bias", "hybrid_adamw": "1.bias"}
+
+
+def _where(kind: str, name: str) -> str:
+    if not kind.startswith("hybrid"):
+        return f"{kind}/{name}"
+    return f"{kind}/{'muon-half' if name.endswith('weight') else 'backup-half'}"
+
+
+for _kind in KINDS:
+    for _name in TARGETS[_kind]:
+        _w = _where(_kind, _name)
+        _add(
+            step(f"sparse grad/{_w}", _kind, _sparse(_name), StepError, rf"{re.escape(_name)}.*sparse_coo"),
+            step(
+                f"complex grad/{_w}",
+                _kind,
+                _regrad(_name, lambda p: torch.ones(p.shape, dtype=torch.complex64)),
+                StepError,
+                rf"{re.escape(_name)}.*complex64",
+            ),
+            step(
+                f"wrong-shape grad/{_w}",
+                _kind,
+                _regrad(_name, lambda p: torch.ones(p.shape[0] + 1, *p.shape[1:])),
+                StepError,
+                rf"{re.escape(_name)}.*shape \((17|33)\b",
+            ),
+            step(
+                f"int64 grad/{_w}",
+                _kind,
+                _regrad(_name, lambda p: torch.ones(p.shape, dtype=torch.int64)),
+                StepError,
+                rf"{re.escape(_name)}.*int64",
+            ),
+        )
+
+_add(
+    # a NaN in a parameter's first gradient is always refused (period search and codebook need finite values)
+    step("NaN first grad/gefen", "gefen", _poison("1.weight", NAN), StepError, r"1\.weight has NaN or Inf", warm=(0,)),
+    step("NaN first grad/muon", "muon", _poison("1.weight", NAN), StepError, r"1\.weight has NaN or Inf", warm=(0,)),
+    step(
+        "NaN first grad/hybrid_gefen/muon-half",
+        "hybrid_gefen",
+        _poison("2.weight", NAN),
+        StepError,
+        r"2\.weight has NaN or Inf",
+        warm=(0,),
+    ),
+    step(
+        "NaN first grad/hybrid_gefen/backup-half",
+        "hybrid_gefen",
+        _poison("1.bias", NAN),
+        StepError,
+        r"1\.bias has NaN or Inf",
+        warm=(0,),
+    ),
+    step(
+        "NaN first grad/hybrid_adamw/muon-half",
+        "hybrid_adamw",
+        _poison("2.weight", NAN),
+        StepError,
+        r"2\.weight has NaN or Inf",
+        warm=(0,),
+    ),
+    # GradScaler controls set by hand (malformed): refused before anything changes
+    *[
+        step(f"{what}/{k}", k, _amp_controls(**attrs), StepError, pattern)
+        for k in KINDS
+        for what, attrs, pattern in (
+            ("found_inf 2 elements", {"found_inf": torch.zeros(2), "grad_scale": None}, r"found_inf must be a 1-el"),
+            ("grad_scale=0", {"found_inf": torch.zeros(1), "grad_scale": torch.tensor([0.0])}, r"grad_scale=0\.0 must"),
+            ("grad_scale=inf", {"found_inf": torch.zeros(1), "grad_scale": torch.tensor([INF])}, r"grad_scale=inf mu"),
+            ("only found_inf", {"found_inf": torch.zeros(1)}, r"only 'found_inf'"),
+        )
+    ],
+    # a user closure that raises: the exception propagates, nothing changed
+    *[step(f"closure raises/{k}", k, _closure_raises, Boom, r"boom") for k in KINDS],
+    # lr set to NaN by hand in a param group
+    step("lr=nan by hand/gefen", "gefen", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
+    step("lr=nan by hand/muon", "muon", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
+    step("lr=nan by hand/hybrid_gefen/muon-half", "hybrid_gefen", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    step("lr=nan by hand/hybrid_gefen/backup-half", "hybrid_gefen", _set_group(1, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    step("lr=nan by hand/hybrid_adamw/muon-half", "hybrid_adamw", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    step(
+        "lr=nan by hand/hybrid_adamw/backup-half",
+        "hybrid_adamw",
+        _set_group(1, lr=NAN),
+        ConfigError,
+        r"lr",
+    ),
+    step(
+        "muon param flattened to 1-D (ZeRO)",
+        "muon",
+        _flatten_param("1.weight"),
+        ValueError,
+        r"2-D",
+    ),
+)
+for _kind in KINDS:
+    _b = BACKUP[_kind]
+    _pat = rf"{re.escape(_b)} has NaN or Inf"
+    _add(
+        step(
+            f"NaN grad after warm-up, nonfinite='raise'/{_kind}",
+            _kind,
+            _poison(_b, NAN),
+            StepError,
+            _pat + r".*nonfinite=.?raise",
+            warm=(WARM,),
+            nonfinite="raise",
+        ),
+        step(
+            f"NaN grad after warm-up, deterministic=True/{_kind}",
+            _kind,
+            _poison(_b, NAN),
+            StepError,
+            _pat + r".*deterministic=True",
+            warm=(WARM,),
+            deterministic=True,
+        ),
+        # documented contrast: the default policy ("ignore", like AdamW) lets a NaN through after warm-up
+        step(
+            f"NaN grad after warm-up, default policy (contrast)/{_kind}",
+            _kind,
+            _poison(_b, NAN),
+            None,
+            "",
+            warm=(WARM,),
+        ),
+    )
+_add(
+    step(
+        "inf grad after warm-up, nonfinite='raise'/hybrid_adamw/muon-half",
+        "hybrid_adamw",
+        _poison("2.weight", INF),
+        StepError,
+        r"2\.weight has NaN or Inf",
+        warm=(WARM,),
+        nonfinite="raise",
+    ),
+)
+
+
+# -------------------------------------------------------------------------------------------- AMP overflow
+def _amp(id: str, kind: str, name: str) -> Case:
+    return Case(id, kind, "step", _poison(name, INF), None, "skipped: nothing changes, scale halved", amp=True)
+
+
+_add(
+    _amp("fp16 GradScaler overflow/gefen", "gefen", "1.weight"),
+    _amp("fp16 GradScaler overflow/muon", "muon", "1.weight"),
+    _amp("fp16 GradScaler overflow/hybrid_gefen/muon-half", "hybrid_gefen", "2.weight"),
+    _amp("fp16 GradScaler overflow/hybrid_gefen/backup-half", "hybrid_gefen", "1.bias"),
+    _amp("fp16 GradScaler overflow/hybrid_adamw/muon-half", "hybrid_adamw", "2.weight"),
+    _amp("fp16 GradScaler overflow/hybrid_adamw/backup-half", "hybrid_adamw", "0.weight"),
+)
+
+
+# -------------------------------------------------------------------------------------------- load faults
+def load(
+    id: str,
+    kind: str,
+    fault,
+    exc=CheckpointError,
+    match="",
+    warm=(0, WARM),
+    options=None,
+    source=None,
+    after=None,
+    xfail=None,
+) -> Case:
+    return Case(
+        id,
+        kind,
+        "load",
+        fault,
+        exc,
+        match,
+        warm=warm,
+        options=options or {},
+        source=source or {},
+        after=after,
+        xfail=xfail,
+    )
+
+
+def _edit(mutate: Callable[[dict[str, Any]], Any]):
+    """A load fault that edits (its own deep copy of) the checkpoint in place."""
+
+    def fault(sd: dict[str, Any], rig: Rig) -> dict[str, Any]:
+        mutate(sd)
+        return sd
+
+    return fault
+
+
+def _metas(sd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The top-level metadata and every group mirror (after a torch.load they are one object; dedupe by id)."""
+    found = [sd[METADATA_KEY]] + [g[GROUP_METADATA_KEY] for g in sd["param_groups"]]
+    return list({id(m): m for m in found}.values())
+
+
+def _set_meta(**values: Any):
+    return _edit(lambda sd: [m.update(values) for m in _metas(sd)])
+
+
+def _change_one_mirror(sd: dict[str, Any]) -> None:
+    mirror = sd["param_groups"][1][GROUP_METADATA_KEY]
+    sd["param_groups"][1][GROUP_METADATA_KEY] = dict(mirror, global_step=mirror["global_step"] + 1)
+
+
+def _codebook(change: Callable[[torch.Tensor], torch.Tensor]):
+    def mutate(sd: dict[str, Any]) -> None:
+        new = change(sd[METADATA_KEY]["codebook"].clone())
+        for m in _metas(sd):
+            m["codebook"] = new
+
+    return _edit(mutate)
+
+
+def _swap(t: torch.Tensor) -> torch.Tensor:
+    t[[10, 200]] = t[[200, 10]]
+    return t
+
+
+def _nan_at(t: torch.Tensor, i: int = 7) -> torch.Tensor:
+    t.view(-1)[i] = NAN
+    return t
+
+
+def _entry(index: int, key: str, value: Any = None, fn: Callable[[torch.Tensor], Any] | None = None, pop=False):
+    """Edit ``state[index][key]``: replace it, transform it, or delete it."""
+
+    def mutate(sd: dict[str, Any]) -> None:
+        entry = sd["state"][index]
+        if pop:
+            del entry[key]
+        else:
+            entry[key] = fn(entry[key]) if fn is not None else value
+
+    return _edit(mutate)
+
+
+def _half(half: str, fault):
+    """Apply a native fault to one half of a hybrid checkpoint."""
+
+    def wrapped(sd: dict[str, Any], rig: Rig) -> dict[str, Any]:
+        sd[half] = fault(sd[half], rig)
+        return sd
+
+    return wrapped
+
+
+def _neg(t: torch.Tensor) -> torch.Tensor:
+    t.view(-1)[0] = -1.0
+    return t
+
+
+def _extra_group(sd: dict[str, Any]) -> None:
+    sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))
+
+
+def _prehook_replaces(bad_fault):
+    """A load pre-hook returns a corrupted replacement of the (good) dict it is given."""
+
+    def fault(sd: dict[str, Any], rig: Rig) -> dict[str, Any]:
+        def pre(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+            rig.calls.append("pre")
+            return bad_fault(copy.deepcopy(state_dict), rig)
+
+        rig.opt.register_load_state_dict_pre_hook(pre)
+        rig.opt.register_load_state_dict_post_hook(lambda opt: rig.calls.append("post"))
+        return sd
+
+    return fault
+
+
+def _pre_once_post_never(rig: Rig) -> None:
+    assert rig.calls == ["pre"]
+
+
+_bad_codes = _entry(1, "first_moment_codes", fn=lambda t: t.float())
+
+_add(
+    # policy
+    load(
+        "deterministic ckpt into non-deterministic",
+        "gefen",
+        lambda sd, rig: sd,
+        match=r"deterministic=True.*"
+        r"intentional state migration",
+        source={"deterministic": True},
+    ),
+    load(
+        "non-deterministic ckpt into deterministic",
+        "gefen",
+        lambda sd, rig: sd,
+        match=r"deterministic=False.*"
+        r"intentional state migration",
+        options={"deterministic": True},
+    ),
+    load(
+        "deterministic ckpt into non-deterministic",
+        "muon",
+        lambda sd, rig: sd,
+        match=r"deterministic=True",
+        source={"deterministic": True},
+    ),
+    load(
+        "non-deterministic ckpt into deterministic",
+        "hybrid_gefen",
+        lambda sd, rig: sd,
+        match=r"muon half.*deterministic=False",
+        options={"deterministic": True},
+    ),
+    load(
+        "deterministic ckpt into non-deterministic",
+        "hybrid_adamw",
+        lambda sd, rig: sd,
+        match=r"muon half.*deterministic=True",
+        source={"deterministic": True},
+    ),
+    load("deterministic tag 'true'", "gefen", _set_meta(deterministic="true"), match=r"must be a bool"),
+    load("deterministic tag 1", "gefen", _set_meta(deterministic=1), match=r"must be a bool"),
+    load("deterministic tag None (v2)", "gefen", _set_meta(deterministic=None), match=r"must be a bool"),
+    load("deterministic tag 1", "muon", _set_meta(deterministic=1), match=r"must be a bool"),
+    # metadata copies
+    load(
+        "mirror on only some groups",
+        "gefen",
+        _edit(lambda sd: sd["param_groups"][1].pop(GROUP_METADATA_KEY)),
+        match=r"present on only some parameter groups",
+    ),
+    load(
+        "mirror on only some groups",
+        "muon",
+        _edit(lambda sd: sd["param_groups"][0].pop(GROUP_METADATA_KEY)),
+        match=r"present on only some parameter groups",
+    ),
+    load("one mirror's global_step changed", "gefen", _edit(_change_one_mirror), match=r"inconsistent"),
+    load("one mirror's global_step changed", "muon", _edit(_change_one_mirror), match=r"inconsistent"),
+    load(
+        "top-level global_step changed",
+        "gefen",
+        _edit(lambda sd: sd.__setitem__(METADATA_KEY, dict(sd[METADATA_KEY], global_step=7))),
+        match=r"inconsistent",
+    ),
+    load("codebook stripped (top level and mirrors)", "gefen", _set_meta(codebook=None), match=r"no frozen codebook"),
+    load("codebook stripped (top level and mirrors)", "muon", _set_meta(codebook=None), match=r"no frozen codebook"),
+    load("codebook with 255 entries", "gefen", _codebook(lambda t: t[:255].clone()), match=r"codebook.*\(256,\)"),
+    load("codebook with NaN", "gefen", _codebook(_nan_at), match=r"codebook.*NaN"),
+    load("codebook unsorted", "gefen", _codebook(_swap), match=r"codebook.*not sorted"),
+    load("codebook with NaN", "muon", _codebook(_nan_at), match=r"codebook.*NaN"),
+    load("newer schema_version", "gefen", _set_meta(schema_version=SCHEMA_VERSION + 1), match=r"newer"),
+    load("other optimizer kind", "gefen", _set_meta(optimizer="GefenMuon"), match=r"saved by optimizer 'GefenMuon'"),
+    load("other optimizer kind", "muon", _set_meta(optimizer="Gefen"), match=r"saved by optimizer 'Gefen'"),
+    # per-parameter state (index 1 = 1.weight: factored; 2 = 1.bias: block; 4 = 2.bias: the last parameter)
+    load("codes as float32", "gefen", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
+    load("codes as float32", "muon", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
+    load("magnitude negative", "gefen", _entry(1, "first_moment_scale", fn=_neg), match=r"scale'\] has negative"),
+    load(
+        "second moment NaN (factored)",
+        "gefen",
+        _entry(1, "second_moment_row", fn=_nan_at),
+        match=r"second_moment_row'\] has negative or non-finite",
+    ),
+    load(
+        "second moment NaN (block)",
+        "gefen",
+        _entry(2, "second_moment", fn=lambda t: _nan_at(t, 0)),
+        match=r"'second_moment'\] has negative or non-finite",
+    ),
+    load("step=tensor([1.,2.])", "gefen", _entry(1, "step", torch.tensor([1.0, 2.0])), match=r"\['step'\] must be"),
+    load("step=1.5", "gefen", _entry(1, "step", 1.5), match=r"\['step'\]=1\.5"),
+    load("step=True", "gefen", _entry(1, "step", True), match=r"\['step'\]=True"),
+    load("step=-1", "gefen", _entry(1, "step", -1), match=r"\['step'\]=-1 must be >= 1"),
+    load("step=tensor(nan)", "muon", _entry(1, "step", torch.tensor(NAN)), match=r"\['step'\] must be"),
+    load("period=0", "gefen", _entry(1, "period", torch.tensor(0)), match=r"\['period'\]=0 does not divide"),
+    load("period not dividing", "gefen", _entry(2, "period", torch.tensor(7)), match=r"\['period'\]=7 does not div"),
+    load(
+        "factored entry without second_moment_col", "gefen", _entry(1, "second_moment_col", pop=True), match=r"has keys"
+    ),
+    load("normuon_v negative", "muon", _entry(1, "normuon_v", fn=_neg), match=r"normuon_v'\] has negative"),
+    load("normuon_step missing", "muon", _entry(1, "normuon_step", pop=True), match=r"has keys"),
+    load(
+        "invalid counter only on the last parameter",
+        "gefen",
+        _entry(4, "step", torch.tensor(-3)),
+        match=r"state\[4\] \(2\.bias\)\['step'\]=-3",
+    ),
+    load(
+        "invalid counter only on the last parameter",
+        "muon",
+        _entry(1, "normuon_step", torch.tensor(99)),
+        match=r"normuon_step'\]=99 must be in",
+    ),
+    # groups
+    load("extra param group", "gefen", _edit(_extra_group), match=r"different number of parameter groups"),
+    load("extra param group", "muon", _edit(_extra_group), match=r"different number of parameter groups"),
+    load(
+        "eps=0 in a saved group",
+        "gefen",
+        _edit(lambda sd: sd["param_groups"][0].update(eps=0.0)),
+        match=r"param_groups\[0\]\['eps'\]=0\.0",
+    ),
+    load(
+        "betas=(0.9,1.0) in a saved group",
+        "gefen",
+        _edit(lambda sd: sd["param_groups"][1].update(betas=(0.9, 1.0))),
+        match=r"param_groups\[1\]\['betas'\]",
+    ),
+    load(
+        "eps=0 in a saved group",
+        "muon",
+        _edit(lambda sd: sd["param_groups"][1].update(eps=0.0)),
+        match=r"param_groups\[1\]\['eps'\]",
+    ),
+    load(
+        "momentum=1.0 in a saved group",
+        "muon",
+        _edit(lambda sd: sd["param_groups"][0].update(momentum=1.0)),
+        match=r"momentum",
+    ),
+    load(
+        "normuon_eps=0 in a saved group",
+        "muon",
+        _edit(lambda sd: sd["param_groups"][0].update(normuon_eps=0.0)),
+        match=r"normuon_eps",
+    ),
+    # hooks
+    *[
+        load(
+            "load pre-hook returns a corrupted replacement",
+            k,
+            _prehook_replaces(
+                _half("muon", _set_meta(codebook=None)) if k.startswith("hybrid") else _set_meta(codebook=None)
+            ),
+            match=r"no frozen codebook",
+            after=_pre_once_post_never,
+        )
+        for k in KINDS
+    ],
+    # hybrid layout
+    *[
+        c
+        for k in ("hybrid_gefen", "hybrid_adamw")
+        for c in (
+            load(
+                "flat {state, param_groups} dict",
+                k,
+                lambda sd, rig: {"state": {}, "param_groups": []},
+                match=r"not a GefenMuonHybrid checkpoint",
+            ),
+            load(
+                "flat torch layout of the muon half",
+                k,
+                lambda sd, rig: sd["muon"],
+                match=r"not a GefenMuonHybrid checkpoint",
+            ),
+            load(
+                "missing backup half (key)",
+                k,
+                _edit(lambda sd: sd.pop("backup")),
+                match=r"not a GefenMuonHybrid checkpoint",
+            ),
+            load(
+                "missing backup half (None)",
+                k,
+                _edit(lambda sd: sd.update(backup=None)),
+                match=r"backup half does not match",
+            ),
+            load("muon half codebook with NaN", k, _half("muon", _codebook(_nan_at)), match=r"muon half.*NaN"),
+            load(
+                "muon half normuon_step missing",
+                k,
+                _half("muon", _entry(0, "normuon_step", pop=True)),
+                match=r"muon half.*has keys",
+            ),
+            load(
+                "muon half momentum=1.0",
+                k,
+                _half("muon", _edit(lambda sd: sd["param_groups"][0].update(momentum=1.0))),
+                match=r"muon half.*momentum",
+            ),
+            load(
+                "extra backup param group",
+                k,
+                _half("backup", _edit(_extra_group)),
+                match=r"backup half.*different number of parameter groups",
+            ),
+        )
+    ],
+    load(
+        "backup_optimizer 'adamw' into a gefen-backed hybrid",
+        "hybrid_gefen",
+        _edit(lambda sd: sd.update(backup_optimizer="adamw")),
+        match=r"backup optimizer is 'adamw'",
+    ),
+    load(
+        "backup_optimizer 'gefen' into an adamw-backed hybrid",
+        "hybrid_adamw",
+        _edit(lambda sd: sd.update(backup_optimizer="gefen")),
+        match=r"backup optimizer is 'gefen'",
+    ),
+    load(
+        "backup half: codes as float32",
+        "hybrid_gefen",
+        _half("backup", _bad_codes),
+        match=r"backup half.*dtype torch.float32",
+    ),
+    load(
+        "backup half: second moment NaN",
+        "hybrid_gefen",
+        _half("backup", _entry(2, "second_moment", fn=lambda t: _nan_at(t, 0))),
+        match=r"backup half.*non-finite",
+    ),
+    load(
+        "backup half: betas (0.9,1.0)",
+        "hybrid_gefen",
+        _half("backup", _edit(lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.0)))),
+        match=r"backup half.*betas",
+    ),
+    load(
+        "AdamW backup state missing 'step'",
+        "hybrid_adamw",
+        _half("backup", _entry(1, "step", pop=True)),
+        match=r"backup half.*KeyError: 'step'",
+        warm=(0, WARM),
+    ),
+)
+
+
+def _ids(cases: list[Case]) -> list[str]:
+    return [f"{c.id}[{c.kind}]" if c.kind not in c.id else c.id for c in cases]
+
+
+def _params(phase: str, amp: bool = False) -> list[Any]:
+    out = []
+    for c in CASES:
+        if c.phase != phase or c.amp != amp:
+            continue
+        marks = [pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else []
+        warms = c.warm if phase != "construct" else (None,)
+        for w in warms:
+            suffix = "" if w is None else ("/first" if w == 0 else f"/after-{w}")
+            out.append(pytest.param(c, w, id=_ids([c])[0] + suffix, marks=marks))
+    return out
+
+
+# ============================================================================================ drivers
+def test_catalogue_is_large_and_ids_are_unique() -> None:
+    assert len(CASES) >= 45
+    ids = [p.id for phase in ("construct", "step", "load") for p in _params(phase)] + [
+        p.id for p in _params("step", True)
+    ]
+    assert len(ids) == len(set(ids))
+    assert {c.kind for c in CASES} == set(KINDS)
+
+
+@pytest.mark.parametrize(("case", "warm"), _params("construct"))
+def test_construct_faults(case: Case, warm: None) -> None:
+    with pytest.raises(case.exc, match=case.match):
+        if case.fault is not None:
+            case.fault()
+        else:
+            _build(case.kind, _model(case.kind), **case.options)
+
+
+@pytest.mark.parametrize(("case", "warm"), _params("step"))
+def test_step_faults(case: Case, warm: int) -> None:
+    rig = _rig(case.kind, case.options, warm)
+    _set_grads(rig, FAULT_SEED)
+    before = _snapshot(rig)
+    undo = case.fault(rig)
+    if case.exc is None:  # documented contrast: not refused, the step is taken
+        rig.opt.step(rig.closure)
+        assert [getattr(c, "global_step", None) for c in _children(rig.opt)] != before["global_steps"]
+        return
+    with pytest.raises(case.exc, match=case.match):
+        rig.opt.step(rig.closure)
+    if undo is not None:
+        undo()
+    _assert_unchanged(rig, before)
+    if warm == 0:
+        assert all(getattr(c, "codebook", None) is None for c in _children(rig.opt))
+        assert all(len(c.state) == 0 for c in _children(rig.opt))
+    assert not {"found_inf", "grad_scale"} & set(vars(rig.opt))
+    _assert_matches_control(rig, case.options, warm)
+
+
+@pytest.mark.parametrize(("case", "warm"), _params("step", amp=True))
+def test_amp_overflow_changes_nothing(case: Case, warm: int) -> None:
+    rig = _warm(_fresh(case.kind, case.options, amp=True), warm)
+    assert all(p.dtype == torch.float16 for p in rig.model.parameters())
+    _set_grads(rig, FAULT_SEED)
+    case.fault(rig)
+    assert rig.opt._step_supports_amp_scaling
+    before = _snapshot(rig)
+    scale = rig.scaler.get_scale()
+    assert rig.scaler.step(rig.opt) is None
+    rig.scaler.update()
+    assert rig.scaler.get_scale() == scale / 2
+    _assert_unchanged(rig, before)
+    assert not {"found_inf", "grad_scale"} & set(vars(rig.opt))
+    if warm == 0:
+        assert all(getattr(c, "codebook", None) is None for c in _children(rig.opt))
+    _assert_matches_control(rig, case.options, warm, amp=True)
+
+
+_CHECKPOINTS: dict[Any, bytes] = {}
+
+
+def _checkpoint(kind: str, source: dict[str, Any]) -> dict[str, Any]:
+    """A fresh ``torch.load`` of a real checkpoint saved after two good steps."""
+    key = (kind, _key(source))
+    if key not in _CHECKPOINTS:
+        buf = io.BytesIO()
+        torch.save(_warm(_fresh(kind, source), WARM).opt.state_dict(), buf)
+        _CHECKPOINTS[key] = buf.getvalue()
+    return torch.load(io.BytesIO(_CHECKPOINTS[key]), weights_only=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("warm", [0, WARM])
+def test_unmodified_checkpoint_is_accepted(kind: str, warm: int) -> None:
+    """The baseline every load case corrupts is itself loadable (so each refusal is due to its fault)."""
+    rig = _rig(kind, {}, warm)
+    sd = _checkpoint(kind, {})
+    rig.opt.load_state_dict(sd)
+    _assert_same(rig.opt.state_dict(), _checkpoint(kind, {}), "reloaded state_dict")
+
+
+@pytest.mark.parametrize(("case", "warm"), _params("load"))
+def test_load_faults(case: Case, warm: int) -> None:
+    rig = _rig(case.kind, case.options, warm)
+    bad = case.fault(_checkpoint(case.kind, case.source), rig)
+    frozen = copy.deepcopy(bad)
+    before = _snapshot(rig)
+    with pytest.raises(case.exc, match=case.match):
+        rig.opt.load_state_dict(bad)
+    _assert_same(bad, frozen, "caller's checkpoint")
+    _assert_unchanged(rig, before)
+    if case.after is not None:
+        case.after(rig)
+    if warm == 0:
+        assert all(getattr(c, "codebook", None) is None for c in _children(rig.opt))
+    _assert_matches_control(rig, case.options, warm)
