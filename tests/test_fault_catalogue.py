@@ -524,14 +524,25 @@ for _kind in KINDS:
 
 _add(
     # a NaN in a parameter's first gradient is always refused (period search and codebook need finite values)
-    step("NaN first grad/gefen", "gefen", _poison("1.weight", NAN), StepError, r"1\.weight has NaN or Inf", warm=(0,)),
-    step("NaN first grad/muon", "muon", _poison("1.weight", NAN), StepError, r"1\.weight has NaN or Inf", warm=(0,)),
+    step("NaN first grad/gefen", "gefen", _poison("1.weight", NAN), StepError, r"1\.weight has NaN/Inf", warm=(0,)),
+    step("NaN first grad/muon", "muon", _poison("1.weight", NAN), StepError, r"1\.weight has NaN/Inf", warm=(0,)),
+    # finite but beyond sqrt(float32 max): its square (the second moment) would overflow
+    step("1e20 first grad/gefen", "gefen", _poison("1.weight", 1e20), StepError, r"1\.weight.*1\.8e\+19", warm=(0,)),
+    step(
+        "1e20 grad/gefen/nonfinite=raise",
+        "gefen",
+        _poison("1.weight", -1e20),
+        StepError,
+        r"1\.weight.*1\.8e\+19.*nonfinite='raise'",
+        warm=(WARM,),
+        nonfinite="raise",
+    ),
     step(
         "NaN first grad/hybrid_gefen/muon-half",
         "hybrid_gefen",
         _poison("2.weight", NAN),
         StepError,
-        r"2\.weight has NaN or Inf",
+        r"2\.weight has NaN/Inf",
         warm=(0,),
     ),
     step(
@@ -539,7 +550,7 @@ _add(
         "hybrid_gefen",
         _poison("1.bias", NAN),
         StepError,
-        r"1\.bias has NaN or Inf",
+        r"1\.bias has NaN/Inf",
         warm=(0,),
     ),
     step(
@@ -547,7 +558,7 @@ _add(
         "hybrid_adamw",
         _poison("2.weight", NAN),
         StepError,
-        r"2\.weight has NaN or Inf",
+        r"2\.weight has NaN/Inf",
         warm=(0,),
     ),
     # GradScaler controls set by hand (malformed): refused before anything changes
@@ -586,7 +597,7 @@ _add(
 )
 for _kind in KINDS:
     _b = BACKUP[_kind]
-    _pat = rf"{re.escape(_b)} has NaN or Inf"
+    _pat = rf"{re.escape(_b)} has NaN/Inf"
     _add(
         step(
             f"NaN grad after warm-up, nonfinite='raise'/{_kind}",
@@ -622,7 +633,7 @@ _add(
         "hybrid_adamw",
         _poison("2.weight", INF),
         StepError,
-        r"2\.weight has NaN or Inf",
+        r"2\.weight has NaN/Inf",
         warm=(WARM,),
         nonfinite="raise",
     ),

@@ -23,7 +23,15 @@ from torch import Tensor
 
 from gefen.errors import StepError
 
-__all__ = ["AmpControls", "wants_native_amp", "read_amp_controls", "unscale_grads_", "first_nonfinite"]
+__all__ = [
+    "AmpControls",
+    "SQUARE_SAFE_MAX",
+    "wants_native_amp",
+    "read_amp_controls",
+    "unscale_grads_",
+    "first_nonfinite",
+    "nonfinite_error",
+]
 
 
 @dataclass(frozen=True)
@@ -109,16 +117,20 @@ def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
         torch._foreach_mul_(items, inv.to(device))
 
 
-def _finite_in_float32(grad: Tensor) -> Tensor:
-    """0-dim bool: every element is finite once in float32, the dtype the step computes in (a float64 ``1e50``
-    is finite but overflows)."""
-    if grad.dtype == torch.float64:
-        return (grad.abs() <= torch.finfo(torch.float32).max).all()  # NaN compares False
-    return torch.isfinite(grad).all()
+#: Largest magnitude whose square is finite in float32 (``sqrt(finfo(float32).max)``): a larger gradient is
+#: finite but its second moment is not, which would poison the state silently.
+SQUARE_SAFE_MAX = 1.8446742e19
+
+
+def _usable(grad: Tensor) -> Tensor:
+    """0-dim bool: every element is finite and its square is finite in float32, the dtype the step computes in
+    (a float64 ``1e50`` or a float32 ``1e20`` is finite but overflows there)."""
+    return (grad.abs() <= SQUARE_SAFE_MAX).all()  # NaN compares False
 
 
 def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Name of the first gradient holding a NaN or Inf in float32, or ``None`` (one host sync for all of them).
+    """Name of the first gradient holding a NaN, an Inf, or a value beyond ``±SQUARE_SAFE_MAX`` (whose square
+    overflows float32), or ``None``; one host sync for all of them.
 
     Args:
         named_grads: ``(name, gradient)`` pairs.
@@ -128,6 +140,27 @@ def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
         by_device.setdefault(g.device, []).append(i)
     bad = []
     for indices in by_device.values():
-        ok = torch.stack([_finite_in_float32(named_grads[i][1]) for i in indices]).cpu()
+        ok = torch.stack([_usable(named_grads[i][1]) for i in indices]).cpu()
         bad += [i for i, flag in zip(indices, ok.tolist()) if not flag]
     return named_grads[min(bad)][0] if bad else None
+
+
+def nonfinite_error(kind: str, name: str, policy: str | None) -> StepError:
+    """The error for an unusable gradient (see :func:`first_nonfinite`).
+
+    Args:
+        kind: the optimizer's class name.
+        name: the parameter's name.
+        policy: ``"deterministic=True"`` or ``"nonfinite='raise'"`` when a policy refuses every such step;
+            ``None`` for a parameter's first gradient (always refused: its period and the codebook come from it).
+    """
+    what = f"has NaN/Inf values (or values beyond ±{SQUARE_SAFE_MAX:.2g}, whose squares overflow float32)"
+    if policy is not None:
+        return StepError(
+            f"{kind}: the gradient of {name} {what} and {policy} refuses such steps; nothing was changed. Skip the "
+            "step (torch.amp.GradScaler does this for overflows) or find the source."
+        )
+    return StepError(
+        f"{kind}: the first gradient of {name} {what}; its period search and the codebook need finite gradients "
+        "(use torch.amp.GradScaler, which skips such steps, or skip the step yourself). Nothing was changed."
+    )

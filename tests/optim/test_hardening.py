@@ -335,7 +335,7 @@ def test_nonfinite_raise_refuses_a_nan_step_and_ignore_lets_it_through():
         m[1].weight.grad[0, 0] = float("nan")
         before = digest([m.state_dict(), opt.state_dict()])
         if raises:
-            with pytest.raises(StepError, match="1.weight.*NaN or Inf"):
+            with pytest.raises(StepError, match="1.weight.*NaN/Inf"):
                 opt.step()
             assert digest([m.state_dict(), opt.state_dict()]) == before
         else:

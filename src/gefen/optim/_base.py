@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import first_nonfinite, nonfinite_error, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
@@ -266,19 +266,11 @@ class GefenOptimizer(torch.optim.Optimizer):
             if everything or STEP not in self.state.get(item.param, ())
         ]
         bad = first_nonfinite(named)
-        if bad is None:
-            return
-        if everything:
-            why = "deterministic=True" if self.deterministic else "nonfinite='raise'"
-            raise StepError(
-                f"{self.kind}: the gradient of {bad} has NaN or Inf values and {why} refuses such steps; nothing "
-                "was changed. Skip the step (torch.amp.GradScaler does this for overflows) or find the source."
-            )
-        raise StepError(
-            f"{self.kind}: the first gradient of {bad} has NaN or Inf values (in float32); the period search and "
-            "the codebook need finite gradients (use torch.amp.GradScaler, which skips such steps, or skip the "
-            "step yourself). Nothing was changed."
-        )
+        if bad is not None:
+            raise nonfinite_error(self.kind, bad, self._nonfinite_policy() if everything else None)
+
+    def _nonfinite_policy(self) -> str:
+        return "deterministic=True" if self.deterministic else "nonfinite='raise'"
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gefen.amp import first_nonfinite, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import first_nonfinite, nonfinite_error, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
 from gefen.optim._base import WorkItem, resolve_nonfinite
@@ -392,11 +392,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             elif self.nonfinite == "raise":
                 bad = first_nonfinite([(item.name, item.grad) for item in items])
                 if bad is not None:
-                    raise StepError(
-                        f"GefenMuonHybrid: the gradient of {bad} has NaN or Inf values and "
-                        f"{'deterministic=True' if self.deterministic else 'nonfinite=raise'} refuses such steps; "
-                        "nothing was changed in either half."
-                    )
+                    policy = "deterministic=True" if self.deterministic else "nonfinite='raise'"
+                    raise nonfinite_error("GefenMuonHybrid", bad, policy)
         for child in self._children():
             child.step()
         return loss
