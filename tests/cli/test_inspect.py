@@ -517,3 +517,24 @@ def test_inspect_runs_as_module_in_subprocess(tmp_path: Path, saved: dict[str, P
         assert ("OK:" in result.stdout) is (expected == 0)
         assert ("[backup] AdamW" in result.stdout) is (expected == 0)  # the hybrid's halves are reported apart
         assert ("REFUSED: 1 problem(s)" in result.stdout) is (expected == 1)
+
+
+INSPECT_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "inspect"
+_MANIFEST = json.loads((INSPECT_FIXTURES / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(_MANIFEST))
+def test_committed_fixtures_good_accepted_corrupted_refused(name, capsys):
+    """``tests/fixtures/inspect/`` (``scripts/make_inspect_fixtures.py``): every ``good_*`` file exits 0, every
+    ``bad_*`` file exits 1 and names its problem; a real ``load_state_dict`` agrees for the Gefen ones."""
+    code = main(["inspect", str(INSPECT_FIXTURES / name)])
+    out = capsys.readouterr().out
+    expected = _MANIFEST[name]
+    if expected is None:
+        assert code == 0, out
+        assert "OK" in out
+    else:
+        assert code == 1, out
+        assert "REFUSED" in out
+        problems = out.split("problems:", 1)[1]
+        assert expected in problems, problems
