@@ -34,8 +34,9 @@ def build(kind: str, m: torch.nn.Module):
     if kind == "gefen_block":
         return gefen.Gefen(m.named_parameters(), lr=1e-2, factored_v_2d=False, fused=False)
     if kind == "gefen_muon":
-        return gefen.GefenMuon([(n, p) for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("1")],
-                               lr=1e-2, fused=False)
+        return gefen.GefenMuon(
+            [(n, p) for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("1")], lr=1e-2, fused=False
+        )
     if kind == "hybrid_gefen":
         return gefen.GefenMuonHybrid(m, lr=1e-2, backup_optimizer="gefen")
     if kind == "hybrid_adamw":
@@ -62,8 +63,10 @@ def main() -> None:
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
         opt.step()
         after = {n: p.detach().clone() for n, p in m.named_parameters()}
-        torch.save({"kind": kind, "params": params, "optimizer": sd, "grads": grads, "expected_after": after},
-                   OUT / f"v1_{kind}.pt")
+        torch.save(
+            {"kind": kind, "params": params, "optimizer": sd, "grads": grads, "expected_after": after},
+            OUT / f"v1_{kind}.pt",
+        )
         print("wrote", OUT / f"v1_{kind}.pt", file=sys.stderr)
 
 

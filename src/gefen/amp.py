@@ -15,6 +15,7 @@ the ordinary path (where Accelerate/Trainer also see ``step_was_skipped``). Sour
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from gefen.errors import StepError
 __all__ = [
     "AmpControls",
     "SQUARE_SAFE_MAX",
+    "usable_bound",
     "wants_native_amp",
     "read_amp_controls",
     "unscale_grads_",
@@ -117,20 +119,26 @@ def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
         torch._foreach_mul_(items, inv.to(device))
 
 
-#: Largest magnitude whose square is finite in float32 (``sqrt(finfo(float32).max)``): a larger gradient is
-#: finite but its second moment is not, which would poison the state silently.
+#: Largest magnitude whose square is finite in float32 (``sqrt(finfo(float32).max)``).
 SQUARE_SAFE_MAX = 1.8446742e19
 
 
+def usable_bound(numel: int) -> float:
+    """Largest gradient magnitude the step accepts for a tensor of ``numel`` elements: ``SQUARE_SAFE_MAX /
+    sqrt(numel)``, so that every sum of squares the second moments take (row, column, block or whole tensor) is
+    finite in float32. A larger gradient is finite but would turn the second moment into Inf/NaN (4.3e16 for a
+    million elements: far beyond any real gradient)."""
+    return SQUARE_SAFE_MAX / math.sqrt(max(numel, 1))
+
+
 def _usable(grad: Tensor) -> Tensor:
-    """0-dim bool: every element is finite and its square is finite in float32, the dtype the step computes in
-    (a float64 ``1e50`` or a float32 ``1e20`` is finite but overflows there)."""
-    return (grad.abs() <= SQUARE_SAFE_MAX).all()  # NaN compares False
+    """0-dim bool: finite, and within :func:`usable_bound` (NaN compares False)."""
+    return grad.abs().max() <= usable_bound(grad.numel()) if grad.numel() else torch.ones((), dtype=torch.bool)
 
 
 def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Name of the first gradient holding a NaN, an Inf, or a value beyond ``±SQUARE_SAFE_MAX`` (whose square
-    overflows float32), or ``None``; one host sync for all of them.
+    """Name of the first gradient holding a NaN, an Inf, or a value beyond :func:`usable_bound` (whose sums of
+    squares would overflow float32), or ``None``; one host sync for all of them.
 
     Args:
         named_grads: ``(name, gradient)`` pairs.
@@ -154,7 +162,9 @@ def nonfinite_error(kind: str, name: str, policy: str | None) -> StepError:
         policy: ``"deterministic=True"`` or ``"nonfinite='raise'"`` when a policy refuses every such step;
             ``None`` for a parameter's first gradient (always refused: its period and the codebook come from it).
     """
-    what = f"has NaN/Inf values (or values beyond ±{SQUARE_SAFE_MAX:.2g}, whose squares overflow float32)"
+    what = (
+        "has NaN/Inf values, or values so large (beyond 1.8e19/sqrt(numel)) that its sums of squares overflow float32"
+    )
     if policy is not None:
         return StepError(
             f"{kind}: the gradient of {name} {what} and {policy} refuses such steps; nothing was changed. Skip the "

@@ -53,6 +53,9 @@ __all__ = [
     "attach_metadata",
     "read_metadata",
     "stage_param_state",
+    "HYBRID_KEYS",
+    "HYBRID_BACKENDS",
+    "check_hybrid_layout",
     "StagedLoad",
     "stage_load",
 ]
@@ -128,7 +131,11 @@ class Metadata:
     deterministic: bool | None
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _int_counter(value: object, where: str) -> int:
+    """An integer counter (Python int or 1-element integer tensor) within the int64 range the state stores."""
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype in (torch.bool, torch.uint8):
             raise CheckpointError(
@@ -136,6 +143,8 @@ def _int_counter(value: object, where: str) -> int:
             )
         return int(value.item())
     if isinstance(value, int) and not isinstance(value, bool):
+        if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+            raise CheckpointError(f"{where}={value} does not fit the int64 counter the optimizer keeps.")
         return value
     raise CheckpointError(f"{where}={value!r} must be a non-negative integer.")
 
@@ -273,6 +282,9 @@ def stage_param_state(
     """
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where} must be a dict of tensors, got {type(saved).__name__}.")
+    odd = [k for k in saved if not isinstance(k, str)]
+    if odd:
+        raise CheckpointError(f"{where} has non-string keys {odd[:3]!r}; state keys are names such as 'step'.")
     numel = 1
     for d in shape:
         numel *= d
@@ -340,6 +352,52 @@ class StagedLoad:
     codebook: Tensor | None
     global_step: int
     metadata: Metadata
+
+
+#: Group keys that describe the live process, not the run: absent from a saved group is fine.
+_LIVE_ONLY_GROUP_KEYS = frozenset({"params", "param_names", "fused"})
+
+#: Keys of a :class:`gefen.GefenMuonHybrid` state dict (``"deterministic"`` since gefen 0.x schema 2 of the
+#: children; older hybrid checkpoints lack it and load under the live policy).
+HYBRID_KEYS = frozenset({"muon", "backup", "backup_optimizer"})
+HYBRID_POLICY_KEY = "deterministic"
+#: Accepted ``backup_optimizer`` tags.
+HYBRID_BACKENDS = ("gefen", "adamw")
+
+
+def check_hybrid_layout(state_dict: object, backend: str | None = None, deterministic: bool | None = None) -> None:
+    """Validate the top level of a hybrid checkpoint (the halves are validated by their children).
+
+    Args:
+        state_dict: the untrusted dict.
+        backend: the live hybrid's ``backup_optimizer`` (``None``: not compared, e.g. offline inspection).
+        deterministic: the live hybrid's policy (``None``: not compared).
+
+    Raises:
+        CheckpointError: not ``{"muon", "backup", "backup_optimizer"[, "deterministic"]}``, an unknown or other
+            backend, a non-bool or other policy tag, both halves empty.
+    """
+    if not isinstance(state_dict, Mapping) or not (HYBRID_KEYS <= set(state_dict) <= HYBRID_KEYS | {HYBRID_POLICY_KEY}):
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise CheckpointError(
+            f"not a GefenMuonHybrid checkpoint (keys {keys}); expected 'muon', 'backup', 'backup_optimizer' "
+            "(and 'deterministic')."
+        )
+    tag = state_dict["backup_optimizer"]
+    if tag not in HYBRID_BACKENDS:
+        raise CheckpointError(f"hybrid backup_optimizer={tag!r} must be one of {list(HYBRID_BACKENDS)}.")
+    if backend is not None and tag != backend:
+        raise CheckpointError(
+            f"checkpoint's backup optimizer is {tag!r}, this hybrid's {backend!r}; build the hybrid with "
+            f"backup_optimizer={tag!r}."
+        )
+    if state_dict["muon"] is None and state_dict["backup"] is None:
+        raise CheckpointError("both halves of the hybrid checkpoint are empty (muon and backup are None).")
+    policy = state_dict.get(HYBRID_POLICY_KEY)
+    if HYBRID_POLICY_KEY in state_dict and not isinstance(policy, bool):
+        raise CheckpointError(f"hybrid deterministic policy must be a bool, got {policy!r}; the checkpoint was edited.")
+    if deterministic is not None and isinstance(policy, bool):
+        _check_policy(policy, deterministic)
 
 
 def _check_policy(saved: bool | None, live: bool) -> None:
@@ -410,6 +468,12 @@ def stage_load(
             raise CheckpointError(
                 f"{where} has {len(saved['params'])} parameters, the live group has {len(live['params'])}."
             )
+        missing = sorted(k for k in live if k not in saved and k not in _LIVE_ONLY_GROUP_KEYS)
+        if missing:
+            raise CheckpointError(
+                f"{where} lacks the hyperparameters {missing} that this optimizer's groups have; the checkpoint "
+                "was edited or written by another optimizer (a schema change would have migrated them)."
+            )
         check_group(saved, where, CheckpointError)
         if group_validator is not None:
             try:
@@ -417,6 +481,12 @@ def stage_load(
             except (ValueError, TypeError) as exc:
                 raise CheckpointError(f"{where}: {exc}") from None
         saved_names, live_names = saved.get("param_names"), live.get("param_names")
+        if saved_names is not None and (
+            not isinstance(saved_names, list)
+            or len(saved_names) != len(saved["params"])
+            or not all(isinstance(n, str) for n in saved_names)
+        ):
+            raise CheckpointError(f"{where}['param_names'] must be a list of one name (str) per parameter.")
         if saved_names is not None and live_names is not None and list(saved_names) != list(live_names):
             diff = (
                 next((a, b) for a, b in zip(saved_names, live_names) if a != b)

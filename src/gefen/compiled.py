@@ -14,6 +14,7 @@ scratch tensors, before the optimizer touches any state: a signature that cannot
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import struct
 import time
@@ -38,6 +39,8 @@ __all__ = [
     "compile_supported",
     "constants_on",
     "as_float32",
+    "lerp_high",
+    "host_only",
     "kernel_grad",
     "fused_by_default",
 ]
@@ -110,6 +113,34 @@ def kernel_grad(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
 def as_float32(value: float) -> float:
     """``value`` rounded to the nearest fp32, as a Python float (no tensor needed)."""
     return struct.unpack("f", struct.pack("f", value))[0]
+
+
+_HOST_STEP_REASON = (
+    "a capturable=False Gefen-optimizer step reads counters and hyperparameters on the host and runs its own compiled "
+    "kernels; build the optimizer with capturable=True (tensor lr) and run one eager warm-up step to compile "
+    "the whole step, or keep step() out of the fullgraph region"
+)
+
+
+def host_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``capturable=False`` step as never traced by ``torch.compile`` (``torch.compiler.disable``, with
+    the reason shown in dynamo's message where this torch supports one): under ``torch.compile(opt.step)`` it
+    runs as is, its own compiled kernels included; under ``fullgraph=True`` dynamo refuses it before it runs."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=_HOST_STEP_REASON)
+    return torch.compiler.disable(fn)
+
+
+def lerp_high(weight: float) -> bool:
+    """Whether ``torch.lerp`` takes its ``w >= 0.5`` branch for this EMA weight: torch tests the fp32 weight.
+
+    Inside a ``torch.compile`` trace (``capturable=True``, where a changed hyperparameter is traced as a symbolic
+    float) the exact value is compared instead; the two differ only within fp32 rounding of 0.5, where either
+    branch is the same lerp to an ulp.
+    """
+    if torch.compiler.is_compiling():
+        return abs(weight) >= 0.5
+    return abs(as_float32(weight)) >= 0.5
 
 
 @functools.cache

@@ -9,7 +9,6 @@ value, the constraint and the fix.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +32,8 @@ def _is_real_number(value: object) -> bool:
     """A real scalar: Python/numpy numbers (not bool), or a 1-element real tensor or numpy array."""
     if isinstance(value, bool):
         return False
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):  # a float traced by torch.compile
+        return True
     if isinstance(value, numbers.Real):
         return not type(value).__name__.startswith("bool")
     if isinstance(value, torch.Tensor):
@@ -44,7 +45,14 @@ def _is_real_number(value: object) -> bool:
 
 
 def _real(value: Any) -> float:
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value  # type: ignore[return-value]  # stays symbolic: torch.compile guards on its uses
     return float(value.reshape(()).item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that also works on floats traced by ``torch.compile`` (``x − x`` is 0 unless NaN/±inf)."""
+    return (value - value) == 0
 
 
 def as_float(value: Any) -> float:
@@ -83,7 +91,7 @@ def check_lr(
             raise error(f"{where} is a {lr.dtype} tensor; capturable=True needs a floating lr tensor.")
         return lr
     value = _real(lr)
-    if not math.isfinite(value) or value < 0.0:
+    if not _finite(value) or value < 0.0:
         raise error(f"{where}={value} must be a finite number >= 0; pass e.g. lr=1e-3.")
     return lr  # type: ignore[return-value]
 
@@ -128,7 +136,7 @@ def check_eps(eps: object, where: str, error: type[Exception] = ConfigError) -> 
     Raises:
         error: not a number, ``<= 0``, NaN or infinite.
     """
-    if not _is_real_number(eps) or not math.isfinite(_real(eps)) or _real(eps) <= 0.0:
+    if not _is_real_number(eps) or not _finite(_real(eps)) or _real(eps) <= 0.0:
         raise error(f"{where}={eps!r} must be a finite number > 0; pass e.g. eps=1e-8.")
     return _real(eps)
 
@@ -140,7 +148,7 @@ def check_weight_decay(weight_decay: object, where: str, error: type[Exception] 
         error: not a number, negative, NaN or infinite.
     """
     wd = weight_decay
-    if not _is_real_number(wd) or not math.isfinite(_real(wd)) or _real(wd) < 0.0:
+    if not _is_real_number(wd) or not _finite(_real(wd)) or _real(wd) < 0.0:
         raise error(f"{where}={weight_decay!r} must be a finite number >= 0; pass e.g. weight_decay=0.01.")
     return _real(wd)
 

@@ -30,8 +30,10 @@ from torch import Tensor
 
 from gefen.checkpoint import (
     GROUP_METADATA_KEY,
+    HYBRID_KEYS,
     METADATA_KEY,
     Metadata,
+    check_hybrid_layout,
     read_metadata,
     stage_param_state,
 )
@@ -51,7 +53,6 @@ from gefen.state import (
 )
 
 __all__ = [
-    "HYBRID_KEYS",
     "HalfReport",
     "CheckpointReport",
     "optimizer_kind",
@@ -61,8 +62,6 @@ __all__ = [
     "inspect_state_dict",
 ]
 
-#: Top-level keys of a :class:`gefen.GefenMuonHybrid` state dict.
-HYBRID_KEYS = frozenset({"muon", "backup", "backup_optimizer"})
 #: Gefen optimizer kinds this module knows the second-moment rules of.
 _GEFEN_KINDS = ("Gefen", "GefenMuon")
 #: ``backup_optimizer`` value -> optimizer kind of the backup half.
@@ -456,7 +455,7 @@ def inspect_state_dict(state_dict: object) -> CheckpointReport:
     """Inspect a whole checkpoint: a Gefen / GefenMuon state dict or a GefenMuonHybrid one.
 
     A dict with any of the keys ``muon``, ``backup``, ``backup_optimizer`` is treated as a hybrid checkpoint: its
-    keys must be exactly :data:`HYBRID_KEYS`, ``backup_optimizer`` ``"gefen"`` or ``"adamw"``, the Muon half a
+    top level must pass :func:`gefen.checkpoint.check_hybrid_layout`, the Muon half a
     ``"GefenMuon"`` state dict and a Gefen backup a ``"Gefen"`` one (each checked by
     :func:`inspect_gefen_state_dict`); an AdamW backup is only summarised (:func:`inspect_torch_state_dict`).
 
@@ -476,17 +475,12 @@ def inspect_state_dict(state_dict: object) -> CheckpointReport:
         kind = optimizer_kind(state_dict) if isinstance(state_dict.get("param_groups"), list) else None
         return CheckpointReport(optimizer=kind, halves=[inspect_gefen_state_dict(state_dict, kind)])
     report = CheckpointReport(optimizer="GefenMuonHybrid", backup_optimizer=_plain(state_dict.get("backup_optimizer")))
-    if set(state_dict) != HYBRID_KEYS:
-        report.problems.append(
-            f"not a GefenMuonHybrid checkpoint (keys {sorted(map(str, state_dict))}); expected 'muon', 'backup', "
-            "'backup_optimizer'."
-        )
+    try:
+        check_hybrid_layout(state_dict)
+    except CheckpointError as exc:
+        report.problems.append(str(exc))
     backup_name = state_dict.get("backup_optimizer")
     backup_kind = _BACKUP_KINDS.get(backup_name) if isinstance(backup_name, str) else None
-    if backup_kind is None:
-        report.problems.append(f"hybrid backup_optimizer={backup_name!r} must be one of {sorted(_BACKUP_KINDS)}.")
-    if state_dict.get("muon") is None and state_dict.get("backup") is None:
-        report.problems.append("both halves of the hybrid checkpoint are empty (muon and backup are None).")
     if state_dict.get("muon") is not None:
         report.halves.append(inspect_gefen_state_dict(state_dict["muon"], "GefenMuon", "muon"))
     backup = state_dict.get("backup")

@@ -341,3 +341,107 @@ def test_nonfinite_raise_refuses_a_nan_step_and_ignore_lets_it_through():
         else:
             opt.step()
             assert torch.isnan(m[1].weight).any()
+
+
+# ---------------------------------------------------------------------------------------------- break-it findings
+def test_compiling_a_non_capturable_step_runs_it_as_is_or_refuses_fullgraph():
+    """``torch.compile(opt.step)`` steps around a ``capturable=False`` step (it runs as plain Python with its own
+    kernels, bit-identical to calling it); ``fullgraph=True`` refuses before anything changes."""
+    m, twin = _cap_model(), _cap_model()
+    opt = gefen.Gefen(m.named_parameters(), lr=1e-2, fused=False)
+    ref = gefen.Gefen(twin.named_parameters(), lr=1e-2, fused=False)
+    compiled = torch.compile(opt.step)
+    for s in range(3):
+        _cap_grads(m, s)
+        _cap_grads(twin, s)
+        compiled()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), twin.parameters()))
+    assert opt.global_step == 3
+    _cap_grads(m, 3)
+    before = digest([m.state_dict(), opt.state_dict()])
+    torch._dynamo.reset()  # dynamo caches per code object, whatever fullgraph said
+    with pytest.raises(Exception, match="capturable=False"):
+        torch.compile(opt.step, fullgraph=True)()
+    assert digest([m.state_dict(), opt.state_dict()]) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "key", "values"),
+    [
+        ("gefen", "betas", [(0.8, 0.99), (0.7, 0.9)]),
+        ("gefen", "eps", [1e-6, 1e-4]),
+        ("gefen", "weight_decay", [0.0, 0.2]),
+        ("gefen_muon", "momentum", [0.9, 0.8]),
+    ],
+)
+def test_capturable_compiled_step_follows_changed_hyperparameters(kind, key, values):
+    """A scheduler that cycles momentum/betas (OneCycleLR's default) changes Python floats between compiled
+    steps: dynamo retraces them symbolically; the result follows the host path."""
+    torch._dynamo.reset()
+    m, twin = _cap_model(), _cap_model()
+    opt = _cap_build(kind, m, capturable=True, lr=torch.tensor(1e-2))
+    ref = _cap_build(kind, twin, capturable=False, lr=1e-2)
+    _cap_grads(m, 0)
+    _cap_grads(twin, 0)
+    opt.step()
+    ref.step()
+    step = torch.compile(opt.step, fullgraph=True)
+    for s, value in enumerate(values, start=1):
+        opt.param_groups[0][key] = value
+        ref.param_groups[0][key] = value
+        _cap_grads(m, s)
+        _cap_grads(twin, s)
+        step()
+        ref.step()
+    for a, b, start in zip(m.parameters(), twin.parameters(), _cap_model().parameters()):
+        if torch.equal(b, start):
+            assert torch.equal(a, start)
+        else:  # Muon's bf16 Newton–Schulz rounds differently compiled (see the test above)
+            assert float((a - b).norm() / (b - start).norm()) < (0.3 if kind == "gefen_muon" else 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
+def test_step_under_inference_mode_is_refused_before_any_change(kind):
+    m = _cap_model()
+    opt = _cap_build(kind, m, capturable=False, lr=1e-2)
+    _cap_grads(m, 0)
+    with torch.inference_mode(), pytest.raises(StepError, match="inference_mode"):
+        opt.step()
+    children = [opt.muon, opt.backup] if kind == "hybrid" else [opt]
+    assert all(c.codebook is None and len(c.state) == 0 for c in children)
+    opt.step()  # and a normal step afterwards works
+    assert all(c.global_step == 1 for c in children)
+
+
+def test_adamw_only_hybrid_records_its_policy_and_refuses_the_other():
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8))
+
+    m = model()
+    opt = gefen.GefenMuonHybrid(m, lr=1e-2, backup_optimizer="adamw", deterministic=True)
+    assert opt.muon is None
+    m(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["deterministic"] is True
+    other = gefen.GefenMuonHybrid(model(), lr=1e-2, backup_optimizer="adamw")
+    with pytest.raises(gefen.CheckpointError, match="deterministic=True"):
+        other.load_state_dict(sd)
+    assert len(other.state) == 0
+
+
+def test_hybrid_with_hooks_and_a_scheduler_pickles_without_them():
+    import pickle
+
+    m = _cap_model()
+    opt = gefen.GefenMuonHybrid(m, lr=1e-2, fused=False)
+    opt.register_step_post_hook(lambda o, a, k: None)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5)
+    _cap_grads(m, 0)
+    opt.step()
+    clone = pickle.loads(pickle.dumps(opt))
+    assert not clone._optimizer_step_post_hooks
+    assert digest(clone.state_dict()) == digest(opt.state_dict())

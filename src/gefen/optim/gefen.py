@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gefen._warnings import warn_user
 from gefen.checkpoint import StagedLoad
 from gefen.compiled import (
     COMPILED_DTYPES,
@@ -18,7 +18,9 @@ from gefen.compiled import (
     compile_supported,
     constants_on,
     fused_by_default,
+    host_only,
     kernel_grad,
+    lerp_high,
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
@@ -55,12 +57,27 @@ from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_facto
 __all__ = ["Gefen"]
 
 
-def _check_capture(optimizer: GefenOptimizer) -> None:
-    """Refuse a CUDA-graph capture that cannot work, before anything runs (hardening.md §3.2).
+def check_not_inference(kind: str) -> None:
+    """Refuse ``step()`` under ``torch.inference_mode()``: state created there would be inference tensors, which
+    no later (normal) step may update in place.
 
     Raises:
-        StepError: capturing with ``capturable=False`` (host counters would be frozen into the graph), or a
-            parameter that is not on the current capture device.
+        StepError: inference mode is on (nothing changed).
+    """
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        raise StepError(
+            f"{kind}.step() was called under torch.inference_mode(): optimizer state created or updated there "
+            "becomes inference tensors that later training steps cannot update. Call step() outside "
+            "inference_mode (torch.no_grad() is fine). Nothing was changed."
+        )
+
+
+def _check_capture(optimizer: GefenOptimizer) -> None:
+    """Refuse a trace or CUDA-graph capture that cannot work, before anything runs (hardening.md §3.2).
+
+    Raises:
+        StepError: CUDA-graph capturing a ``capturable=False`` step (host counters would be frozen into the
+            graph), or a parameter that is not on the current capture device.
     """
     if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
@@ -262,7 +279,20 @@ class Gefen(GefenOptimizer):
                 been changed when it is raised.
             ConfigError: a param group's hyperparameter became invalid.
         """
+        if self.capturable:
+            return self._step(closure)
+        return self._host_step(closure)
+
+    @host_only
+    def _host_step(self, closure: Callable[[], Any] | None) -> Any:
+        """The ``capturable=False`` step, never traced by ``torch.compile``: it reads counters and hyperparameters
+        on the host and runs its own compiled kernels (``fused``). Under ``torch.compile(opt.step)`` it runs as
+        is (dynamo steps around it); under ``fullgraph=True`` dynamo refuses it before anything runs."""
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         _check_capture(self)
+        check_not_inference(self.kind)
         loss = self._evaluate_closure(closure)
         plan = self._prepare()
         if self._amp_skip(plan):  # GradScaler found an overflow: the step is skipped, nothing changes
@@ -291,7 +321,7 @@ class Gefen(GefenOptimizer):
         if codebook is not self._codebook:
             self._set_codebook(codebook)
             if codebook_warning is not None:  # only for a codebook that is kept (not for a refused step)
-                warnings.warn(codebook_warning, stacklevel=4)  # step <- no_grad <- torch step hooks <- caller
+                warn_user(codebook_warning)
         if not any(plan):
             return loss
         zero_code = zero_code_index(codebook) if starting else 0
@@ -335,7 +365,7 @@ class Gefen(GefenOptimizer):
         device = item.param.device
         codebook, lut, thresholds = self._fused_tables(device)
         table_steps = self._nearest_table(device).steps
-        lerp_high = abs(as_float32(self._ema_weight(group))) >= 0.5
+        high = lerp_high(self._ema_weight(group))
         blocks = tuple(view.codes.shape)
         param = item.param.detach()
         work = param if param.is_contiguous() else param.contiguous()
@@ -359,7 +389,7 @@ class Gefen(GefenOptimizer):
                 *tables,
                 scalars,
                 steps=table_steps,
-                lerp_high=lerp_high,
+                lerp_high=high,
             )
         else:
             fused_block_step_(
@@ -371,7 +401,7 @@ class Gefen(GefenOptimizer):
                 *tables,
                 scalars,
                 steps=table_steps,
-                lerp_high=lerp_high,
+                lerp_high=high,
             )
         if work is not param:
             param.copy_(work)
@@ -448,10 +478,9 @@ class Gefen(GefenOptimizer):
                         ) from exc
                     if not self._warned_fallback:
                         self._warned_fallback = True
-                        warnings.warn(
+                        warn_user(
                             f"Gefen: torch.compile could not build the fused step ({type(exc).__name__}: {exc}); "
-                            "using the eager step for the affected parameters (same results, slower).",
-                            stacklevel=5,  # _compile_jobs <- step <- no_grad <- torch step hooks <- caller
+                            "using the eager step for the affected parameters (same results, slower)."
                         )
                     continue
                 chosen[id(item.param)] = signature
@@ -513,11 +542,10 @@ class Gefen(GefenOptimizer):
                     constants,
                 )
             except Exception as exc:  # recorded in self._kernels.failures by run()
-                warnings.warn(
+                warn_user(
                     f"Gefen: the compiled step of {item.name} failed inside step() ({type(exc).__name__}: {exc}); "
                     "this step was completed on the eager path for it and the parameters after it (same math). "
-                    "fused=None keeps using the eager path for this signature; fused=True refuses the next step.",
-                    stacklevel=5,  # _run_compiled <- step <- no_grad <- torch step hooks <- caller
+                    "fused=None keeps using the eager path for this signature; fused=True refuses the next step."
                 )
                 return {id(it.param) for it, _, _ in jobs[position:]}
             if work is not param:

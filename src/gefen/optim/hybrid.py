@@ -19,10 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from gefen.amp import first_nonfinite, nonfinite_error, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.checkpoint import check_hybrid_layout
+from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
 from gefen.optim._base import WorkItem, resolve_nonfinite
-from gefen.optim.gefen import Gefen
+from gefen.optim.gefen import Gefen, check_not_inference
 from gefen.optim.muon import GefenMuon
 
 __all__ = [
@@ -167,6 +169,20 @@ class _StateView(MutableMapping):  # type: ignore[type-arg]
         return sum(len(child.state) for child in self._owner._children())
 
 
+#: The hook registries torch.optim.Optimizer keeps per instance (the hybrid keeps its own).
+_HOOK_REGISTRIES = tuple(
+    f"_optimizer_{kind}_hooks"
+    for kind in (
+        "step_pre",
+        "step_post",
+        "state_dict_pre",
+        "state_dict_post",
+        "load_state_dict_pre",
+        "load_state_dict_post",
+    )
+)
+
+
 class GefenMuonHybrid(torch.optim.Optimizer):
     """Whole-model Muon: :class:`GefenMuon` for 2-D hidden weights, Gefen or AdamW for everything else.
 
@@ -295,12 +311,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 )
         first = self._children()[0]
         self.defaults = first.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        for name in _HOOK_REGISTRIES:
+            setattr(self, name, OrderedDict())
         self._zero_grad_profile_name = "Optimizer.zero_grad#GefenMuonHybrid.zero_grad"
         self._patch_step_function()
 
@@ -315,11 +327,17 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return [c for c in (self.muon, self.backup) if c is not None]
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy support: the two children (each pickles its own state and codebook) and settings."""
-        return dict(self.__dict__)
+        """Pickle/deepcopy support: the two children (each pickles its own state and codebook) and settings.
+
+        Like ``torch.optim.Optimizer``, hooks and an LR scheduler's instance-level ``step`` wrapper are not
+        pickled (they hold closures); the copy starts without them.
+        """
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k != "step"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        for name in _HOOK_REGISTRIES:
+            self.__dict__.setdefault(name, OrderedDict())
 
     # ------------------------------------------------------------------ torch.optim surface
     @property  # type: ignore[override]
@@ -371,6 +389,17 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 GradScaler controls are malformed (nothing changed in either).
             ConfigError: an invalid hyperparameter in either half.
         """
+        if self.capturable:
+            return self._step(closure)
+        return self._host_step(closure)
+
+    @host_only
+    def _host_step(self, closure: Callable[[], Any] | None) -> Any:
+        """The ``capturable=False`` step, never traced by ``torch.compile`` (see :class:`gefen.Gefen`)."""
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        check_not_inference("GefenMuonHybrid")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -399,7 +428,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name}``.
+        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name,
+        "deterministic": bool}`` (the policy is also in each Gefen half; here it covers an AdamW-only hybrid).
 
         The hybrid's own state-dict pre-hooks run first and its post-hooks last (each child runs its own too).
         """
@@ -409,6 +439,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             "muon": None if self.muon is None else self.muon.state_dict(),
             "backup": None if self.backup is None else self.backup.state_dict(),
             "backup_optimizer": self.backup_optimizer,
+            "deterministic": self.deterministic,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, sd)
@@ -432,16 +463,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             out = hook(self, sd)
             if out is not None:
                 sd = out
-        if not isinstance(sd, Mapping) or set(sd) != {"muon", "backup", "backup_optimizer"}:
-            keys = sorted(sd) if isinstance(sd, Mapping) else type(sd).__name__
-            raise CheckpointError(
-                f"not a GefenMuonHybrid checkpoint (keys {keys}); expected 'muon', 'backup', 'backup_optimizer'."
-            )
-        if sd["backup_optimizer"] != self.backup_optimizer:
-            raise CheckpointError(
-                f"checkpoint's backup optimizer is {sd['backup_optimizer']!r}, this hybrid's "
-                f"{self.backup_optimizer!r}; build the hybrid with backup_optimizer={sd['backup_optimizer']!r}."
-            )
+        check_hybrid_layout(sd, self.backup_optimizer, self.deterministic)
         for half, child in (("muon", self.muon), ("backup", self.backup)):
             if (sd[half] is None) != (child is None):
                 raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gefen.compiled import KernelSignature, as_float32, constants_on, kernel_grad
+from gefen._warnings import warn_user
+from gefen.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
 from gefen.math.fused import SCALARS, fused_momentum_, write_param_
@@ -173,7 +173,7 @@ class GefenMuon(Gefen):
             thresholds,
             weight,
             steps=self._nearest_table(device).steps,
-            lerp_high=abs(as_float32(1.0 - beta)) >= 0.5,
+            lerp_high=lerp_high(1.0 - beta),
         )
         return out
 
@@ -199,10 +199,9 @@ class GefenMuon(Gefen):
                 _muon_constants(device, beta),
             )
         except Exception as exc:  # recorded in self._kernels.failures by run()
-            warnings.warn(
+            warn_user(
                 f"GefenMuon: the compiled momentum of {item.name} failed inside step() ({type(exc).__name__}: "
-                f"{exc}); it runs on the eager path from now on (same math).",
-                stacklevel=6,
+                f"{exc}); it runs on the eager path from now on (same math)."
             )
             return None
         return out
