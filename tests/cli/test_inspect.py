@@ -538,3 +538,15 @@ def test_committed_fixtures_good_accepted_corrupted_refused(name, capsys):
         assert "REFUSED" in out
         problems = out.split("problems:", 1)[1]
         assert expected in problems, problems
+
+
+def test_training_checkpoint_with_an_optimizer_entry_is_unwrapped(tmp_path, capsys):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "v1_gefen.pt"
+    assert main(["inspect", str(fixture), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "reading the 'optimizer' entry" in captured.err
+    assert json.loads(captured.out)["optimizer"] == "Gefen"
+    folder = tmp_path / "checkpoint-5"
+    (folder / "optimizer.pt").mkdir(parents=True)
+    assert main(["inspect", str(folder)]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -86,6 +86,8 @@ def _resolve(path_text: str) -> Path:
         raise _UsageError(f"{path_text!r} does not exist.")
     if path.is_dir():
         inner = path / TRAINER_OPTIMIZER_FILE
+        if inner.is_dir():
+            raise _UsageError(f"{str(inner)!r} is a folder, not a file written by torch.save.")
         if not inner.is_file():
             found = sorted(p.name for p in path.iterdir())[:10]
             raise _UsageError(
@@ -121,7 +123,16 @@ def _load(path: Path) -> CheckpointReport:
                 f"{str(error).splitlines()[0] if str(error) else ''}"
             ],
         )
+    wrapped = _OPTIMIZER_ENTRY in state_dict if isinstance(state_dict, dict) else False
+    if wrapped and not ({"state", "param_groups", "muon", "backup"} & set(state_dict)):
+        # a training checkpoint such as {"model": ..., "optimizer": opt.state_dict(), "epoch": 3}
+        print(f"note: reading the {_OPTIMIZER_ENTRY!r} entry of {path}", file=sys.stderr)
+        state_dict = state_dict[_OPTIMIZER_ENTRY]
     return inspect_state_dict(state_dict)
+
+
+#: The entry holding the optimizer's state dict in a typical training checkpoint.
+_OPTIMIZER_ENTRY = "optimizer"
 
 
 # ---------------------------------------------------------------------------------------------- summaries
