@@ -233,3 +233,12 @@ def test_cuda_deterministic_runs_are_bit_identical(fused):
     for k, st in s1["state"].items():
         for key, v in st.items():
             assert torch.equal(v, s2["state"][k][key]), key
+
+
+def test_cuda_capturable_lr_on_the_cpu_is_refused():
+    model = _cuda_model()
+    opt = gefen.Gefen(model.named_parameters(), lr=torch.tensor(1e-2), capturable=True)
+    _cuda_grads(model, 0)
+    with pytest.raises(gefen.ConfigError, match="lr'\\] is on cpu"):
+        opt.step()
+    assert opt.codebook is None and len(opt.state) == 0

@@ -445,3 +445,16 @@ def test_hybrid_with_hooks_and_a_scheduler_pickles_without_them():
     clone = pickle.loads(pickle.dumps(opt))
     assert not clone._optimizer_step_post_hooks
     assert digest(clone.state_dict()) == digest(opt.state_dict())
+
+
+def test_capturable_lr_tensor_on_another_device_is_refused_before_any_change():
+    m = _cap_model()
+    opt = _cap_build("gefen", m, capturable=True, lr=torch.tensor(1e-2))
+    _cap_grads(m, 0)
+    opt.step()
+    opt.param_groups[0]["lr"] = torch.tensor(1e-2, device="meta")  # stands for a GPU lr with CPU params
+    _cap_grads(m, 1)
+    before = digest([m.state_dict(), opt.state_dict()["state"]])
+    with pytest.raises(gefen.ConfigError, match="lr'\\] is on meta"):
+        opt.step()
+    assert digest([m.state_dict(), opt.state_dict()["state"]]) == before

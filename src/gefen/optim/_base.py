@@ -203,13 +203,23 @@ class GefenOptimizer(torch.optim.Optimizer):
         """Validate every group and gradient; returns the work per group. Writes nothing.
 
         Raises:
-            ConfigError: a group hyperparameter became invalid (e.g. set by hand or by a scheduler).
+            ConfigError: a group hyperparameter became invalid (e.g. set by hand or by a scheduler); under
+                ``capturable=True`` a tensor ``lr`` on another device than the group's parameters.
             StepError: a gradient is sparse, non-strided, complex or integer, of another shape or device.
         """
         plan: list[list[WorkItem]] = [[] for _ in self.param_groups]
         for g, group in enumerate(self.param_groups):
             check_group(group, f"{self.kind} param_groups[{g}]", host_values=not self.capturable)
             self._check_group(group, g)
+            lr = group["lr"]
+            if self.capturable and isinstance(lr, Tensor) and group["params"]:
+                device = group["params"][0].device
+                if lr.device != device and not (lr.device.type == "cpu" and device.type == "cpu"):
+                    raise ConfigError(
+                        f"{self.kind}(capturable=True) param_groups[{g}]['lr'] is on {lr.device}, the parameters on "
+                        f"{device}: a captured step reads it there without a copy; create it with "
+                        f"torch.tensor(lr, device={str(device)!r})."
+                    )
         for g, _i, p, name in self._iter_params():
             grad = p.grad
             if grad is None or p.numel() == 0:
