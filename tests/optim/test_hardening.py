@@ -458,3 +458,12 @@ def test_capturable_lr_tensor_on_another_device_is_refused_before_any_change():
     with pytest.raises(gefen.ConfigError, match="lr'\\] is on meta"):
         opt.step()
     assert digest([m.state_dict(), opt.state_dict()["state"]]) == before
+
+
+def test_bad_gefen_fused_environment_is_refused_at_construction(monkeypatch):
+    monkeypatch.setenv("GEFEN_FUSED", "maybe")
+    with pytest.raises(gefen.ConfigError, match="GEFEN_FUSED='maybe'"):
+        gefen.Gefen(_cap_model().named_parameters())
+    with pytest.raises(gefen.ConfigError, match="GEFEN_FUSED='maybe'"):
+        gefen.GefenMuonHybrid(_cap_model(), lr=1e-2)
+    gefen.Gefen(_cap_model().named_parameters(), fused=False)  # an explicit choice does not read it

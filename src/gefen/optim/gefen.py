@@ -224,6 +224,8 @@ class Gefen(GefenOptimizer):
     ) -> None:
         refuse_torch_only_options("Gefen", torch_options)
         check_flags("Gefen", {"factored_v_2d": factored_v_2d, "fused": fused}, optional=("fused",))
+        if fused is None:
+            fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
             "lr": lr,
             "betas": tuple(betas) if isinstance(betas, list) else betas,

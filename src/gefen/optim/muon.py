@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from gefen._warnings import warn_user
-from gefen.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
+from gefen.compiled import KernelSignature, constants_on, fused_by_default, kernel_grad, lerp_high
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
 from gefen.math.fused import SCALARS, fused_momentum_, write_param_
@@ -96,6 +96,8 @@ class GefenMuon(Gefen):
     ) -> None:
         refuse_torch_only_options("GefenMuon", torch_options)
         check_flags("GefenMuon", {"nesterov": nesterov, "normuon": normuon, "fused": fused}, optional=("fused",))
+        if fused is None:
+            fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
