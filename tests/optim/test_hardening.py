@@ -467,3 +467,13 @@ def test_bad_gefen_fused_environment_is_refused_at_construction(monkeypatch):
     with pytest.raises(gefen.ConfigError, match="GEFEN_FUSED='maybe'"):
         gefen.GefenMuonHybrid(_cap_model(), lr=1e-2)
     gefen.Gefen(_cap_model().named_parameters(), fused=False)  # an explicit choice does not read it
+
+
+@pytest.mark.slow
+def test_hybrid_reports_its_children_compile_time():
+    m = _cap_model()
+    h = gefen.GefenMuonHybrid(m, lr=1e-2, fused=True)
+    assert h.compile_time_s == 0.0
+    _cap_grads(m, 0)
+    h.step()
+    assert h.compile_time_s == h.muon.compile_time_s + h.backup.compile_time_s > 0.0

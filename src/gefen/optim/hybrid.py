@@ -323,6 +323,11 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             raise TypeError(f"from_model needs an nn.Module, got {type(model).__name__}")
         return cls(model, **kwargs)
 
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds both children spent compiling fused step kernels in this process (``0.0`` on eager paths)."""
+        return sum(float(getattr(child, "compile_time_s", 0.0)) for child in self._children())
+
     def _children(self) -> list[torch.optim.Optimizer]:
         return [c for c in (self.muon, self.backup) if c is not None]
 
