@@ -1,0 +1,91 @@
+"""Multi-process test harness: run a function on ``world_size`` CPU processes joined by a ``gloo`` process group on
+127.0.0.1, under a deadline, so a deadlock fails the test instead of hanging CI.
+
+The function runs as ``fn(rank, world_size, *args)`` in each process (it must be importable: a module-level
+function of a test module) and returns a picklable value; :func:`run_world` returns the values by rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_world", "WorldFailed", "free_port"]
+
+
+class WorldFailed(AssertionError):
+    """A rank raised, or the world missed its deadline (deadlock)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)  # 2 cores shared by the ranks: no oversubscription
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        result = {"ok": fn(rank, world_size, *args)}
+    except BaseException as exc:  # reported to the parent, which fails the test
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_world(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    Raises:
+        WorldFailed: a rank raised (its traceback in the message), died, or the deadline passed (all ranks are
+            killed).
+    """
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise WorldFailed(f"{fn.__name__} on {world_size} ranks missed its {timeout_s:.0f} s deadline")
+        except mp.ProcessRaisedException as exc:
+            raise WorldFailed(str(exc)) from None
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+        results = []
+        for rank in range(world_size):
+            path = Path(out, f"rank{rank}.pkl")
+            if not path.exists():
+                raise WorldFailed(f"rank {rank} of {fn.__name__} died without a result")
+            result = pickle.loads(path.read_bytes())
+            if "error" in result:
+                raise WorldFailed(f"rank {rank}: {result['error']}\n{result['traceback']}")
+            results.append(result["ok"])
+        return results
