@@ -37,6 +37,12 @@ def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None
     attach_metadata(state_dict, meta)
 
 
+def _is_dtensor(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed when
+    it is unavailable)."""
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
 def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
     """The effective ``nonfinite`` policy of an optimizer, validated against the other policies.
 
@@ -184,6 +190,13 @@ class GefenOptimizer(torch.optim.Optimizer):
                 raise ConfigError(
                     f"{where}['params'][{i}] has dtype {tensor.dtype}; {self.kind} optimizes real floating "
                     "tensors only (for complex parameters optimize torch.view_as_real(p))."
+                )
+            if _is_dtensor(tensor):
+                raise ConfigError(
+                    f"{where}['params'][{i}] is a DTensor (FSDP2 fully_shard / tensor parallel): sharded parameters "
+                    f"are not supported by {self.kind} yet, and stepping them as plain tensors would be wrong. Use "
+                    "DDP (supported: bit-identical replicas with deterministic=True) or torch.optim.AdamW for "
+                    "sharded models."
                 )
             tensors.append(tensor)
         if len({id(t) for t in tensors}) != len(tensors):
