@@ -126,8 +126,8 @@ class GefenMuon(Gefen):
                 raise ConfigError(
                     f"{where}['params'][{i}] now has shape {tuple(p.shape)}; GefenMuon steps 2-D matrices only. A "
                     "wrapper (e.g. DeepSpeed ZeRO) replaced the parameters by flat partitions after the optimizer "
-                    "was built, which Muon cannot orthogonalise; nothing was changed. Use FSDP2 (fully_shard) or "
-                    "DDP, or gefen.Gefen for ZeRO."
+                    "was built, which Muon cannot orthogonalise; nothing was changed. Use DDP, or gefen.Gefen "
+                    "for ZeRO."
                 )
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
