@@ -33,6 +33,7 @@ __all__ = [
     "unscale_grads_",
     "first_nonfinite",
     "nonfinite_error",
+    "policy_name",
 ]
 
 
@@ -153,13 +154,18 @@ def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
     return named_grads[min(bad)][0] if bad else None
 
 
+def policy_name(deterministic: bool) -> str:
+    """How a message names the policy that refuses every unusable gradient."""
+    return "deterministic=True" if deterministic else "nonfinite='raise'"
+
+
 def nonfinite_error(kind: str, name: str, policy: str | None) -> StepError:
     """The error for an unusable gradient (see :func:`first_nonfinite`).
 
     Args:
         kind: the optimizer's class name.
         name: the parameter's name.
-        policy: ``"deterministic=True"`` or ``"nonfinite='raise'"`` when a policy refuses every such step;
+        policy: :func:`policy_name` when a policy refuses every such step;
             ``None`` for a parameter's first gradient (always refused: its period and the codebook come from it).
     """
     what = (

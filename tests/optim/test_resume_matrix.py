@@ -9,7 +9,6 @@ parameters, of the optimizer's full state dict and of the codebook must be ident
 
 from __future__ import annotations
 
-import hashlib
 import io
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import gefen
+from tests.optim.determinism_job import digest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -48,24 +48,6 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-
-def _digest(obj: object, h: hashlib._Hash | None = None) -> str:
-    h = h or hashlib.sha256()
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            h.update(str(key).encode())
-            _digest(obj[key], h)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _digest(item, h)
-    else:
-        h.update(repr(obj).encode())
-    return h.hexdigest()
 
 
 def _roundtrip(sd: dict) -> dict:
@@ -109,9 +91,9 @@ def test_resume_is_bit_exact(kind, dtype, fused, deterministic):
     resumed.load_state_dict(saved_opt)
     _train(resumed_model, resumed, range(2, 4))
 
-    assert _digest(resumed_model.state_dict()) == _digest(whole_model.state_dict())
-    assert _digest(resumed.state_dict()) == _digest(whole.state_dict())
-    assert _digest(_codebooks(resumed)) == _digest(_codebooks(whole))
+    assert digest(resumed_model.state_dict()) == digest(whole_model.state_dict())
+    assert digest(resumed.state_dict()) == digest(whole.state_dict())
+    assert digest(_codebooks(resumed)) == digest(_codebooks(whole))
     assert all(cb is not None for cb in _codebooks(resumed))
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.amp import first_nonfinite, nonfinite_error, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
@@ -61,7 +61,7 @@ def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, captura
             "drop nonfinite='ignore' or pass deterministic=False."
         )
     if capturable and policy == "raise":
-        why = "deterministic=True" if deterministic else "nonfinite='raise'"
+        why = policy_name(deterministic)
         raise ConfigError(
             f"{kind}(capturable=True) cannot honour {why}: checking gradients for NaN/Inf needs a host sync in "
             "step(), which a captured graph cannot run. Use capturable=False, or capturable=True with "
@@ -290,10 +290,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         ]
         bad = first_nonfinite(named)
         if bad is not None:
-            raise nonfinite_error(self.kind, bad, self._nonfinite_policy() if everything else None)
-
-    def _nonfinite_policy(self) -> str:
-        return "deterministic=True" if self.deterministic else "nonfinite='raise'"
+            raise nonfinite_error(self.kind, bad, policy_name(self.deterministic) if everything else None)
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gefen.amp import first_nonfinite, nonfinite_error, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import check_hybrid_layout
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
@@ -426,8 +426,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             elif self.nonfinite == "raise":
                 bad = first_nonfinite([(item.name, item.grad) for item in items])
                 if bad is not None:
-                    policy = "deterministic=True" if self.deterministic else "nonfinite='raise'"
-                    raise nonfinite_error("GefenMuonHybrid", bad, policy)
+                    raise nonfinite_error("GefenMuonHybrid", bad, policy_name(self.deterministic))
         for child in self._children():
             child.step()
         return loss
