@@ -57,14 +57,18 @@ def main() -> None:
     digest = _sha256([model.state_dict(), optimizer.state_dict()])
     digests = [None] * world
     dist.all_gather_object(digests, digest)
+    same = len(set(digests)) == 1
     if rank == 0:
-        same = len(set(digests)) == 1
         print(f"replicas bit-identical across {world} ranks: {same}")
         if args.save:
             torch.save(optimizer.state_dict(), args.save)
-        if not same:
-            raise SystemExit(1)
+    # Tear DDP down while the process group is alive: freeing its gradient reducer after destroy_process_group()
+    # can hang a gloo rank at exit.
+    dist.barrier()
+    del ddp
     dist.destroy_process_group()
+    if rank == 0 and not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
