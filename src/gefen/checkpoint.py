@@ -41,6 +41,7 @@ from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
 from gefen.math.period import PERIOD_SEARCH_VARIANT
+from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, mesh_key, sharded_shape
 from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
 
 __all__ = [
@@ -260,8 +261,15 @@ def stage_param_state(
     where: str,
     device: torch.device | None = None,
     counter_device: torch.device | None = None,
+    shard: RowShard | None = None,
 ) -> dict[str, Tensor]:
     """Validate one saved parameter state against the spec of a parameter of ``shape``; return fresh tensors.
+
+    For a sharded parameter (``shard`` given) each row-sharded tensor (see :mod:`gefen.sharding`) may be saved
+    as a ``Shard(0)`` DTensor of the live layout (a sharded checkpoint of the same world size) or as a full plain
+    tensor in the sharded or single-process shape (a gathered checkpoint of any world size, or a single-process
+    one): this rank keeps its own rows, so a checkpoint reshards N → M exactly. A plain parameter accepts the
+    full sharded shapes as well.
 
     Args:
         saved: the untrusted per-parameter dict (never modified).
@@ -271,9 +279,11 @@ def stage_param_state(
         device: where the state tensors go (``None``: the CPU).
         counter_device: where the int64 counters go (``None``: the CPU; the parameter's device when the
             optimizer is ``capturable``).
+        shard: the rows this rank holds of a sharded parameter, ``None`` for a plain one.
 
     Returns:
-        New tensors following :func:`gefen.state.state_spec` (counters int64 0-dim).
+        New tensors following :func:`gefen.state.state_spec` (counters int64 0-dim); for a sharded parameter the
+        row-sharded ones are ``Shard(0)`` DTensors of this rank's rows.
 
     Raises:
         CheckpointError: missing or extra keys, a period that does not divide ``numel``, counters that are not
@@ -300,6 +310,11 @@ def stage_param_state(
             f"{where}['{PERIOD}']={period} does not divide the parameter's {numel} elements "
             f"(shape {tuple(shape)}); the checkpoint belongs to another model."
         )
+    if shard is not None and shard.row_length % period != 0:
+        raise CheckpointError(
+            f"{where}['{PERIOD}']={period} does not divide the row length {shard.row_length} of the sharded "
+            f"parameter {tuple(shape)}: its blocks straddle rows, which a Shard(0) layout cannot split."
+        )
     spec = state_spec(tuple(shape), period, kind)
     if set(saved) != set(spec):
         raise CheckpointError(
@@ -323,6 +338,11 @@ def stage_param_state(
             continue
         if not isinstance(value, Tensor):
             raise CheckpointError(f"{where}['{key}'] must be a tensor, got {type(value).__name__}.")
+        if key in SHARDED_KEYS and (shard is not None or is_dtensor(value)):
+            staged[key] = _stage_rows(value, key, tspec, period, shape, shard, f"{where}['{key}']", device)
+            continue
+        if key in SHARDED_KEYS and tuple(value.shape) == sharded_shape(key, tspec.shape, period, shape[0]):
+            value = value.reshape(tspec.shape)  # a gathered sharded checkpoint loading into a single process
         if value.dtype != tspec.dtype or tuple(value.shape) != tspec.shape:
             raise CheckpointError(
                 f"{where}['{key}'] has dtype {value.dtype} and shape {tuple(value.shape)}, expected "
@@ -333,6 +353,65 @@ def stage_param_state(
         staged[key] = value.detach().to(device=device).clone()
     staged[STEP] = staged[STEP].to(counter_device)
     return staged
+
+
+def _stage_rows(
+    value: Tensor,
+    key: str,
+    spec: Any,
+    period: int,
+    shape: tuple[int, ...],
+    shard: RowShard | None,
+    where: str,
+    device: torch.device | None,
+) -> Tensor:
+    """This rank's rows of a row-sharded state tensor, validated and wrapped for the live layout."""
+    rows = shape[0]
+    full_shape = sharded_shape(key, spec.shape, period, rows)
+    if value.dtype != spec.dtype:
+        raise CheckpointError(f"{where} has dtype {value.dtype}, expected {spec.dtype}.")
+    if is_dtensor(value):
+        if shard is None:
+            raise CheckpointError(
+                f"{where} is a DTensor but the live parameter is a plain tensor; gather the checkpoint first "
+                "(torch.distributed.checkpoint's get_optimizer_state_dict with full_state_dict=True)."
+            )
+        same = (
+            tuple(value.shape) == full_shape
+            and tuple(value.placements) == tuple(value.placements)[:1]
+            and type(value.placements[0]).__name__ == "Shard"
+            and value.placements[0].dim == 0
+            and mesh_key(value.device_mesh) == mesh_key(shard.mesh)
+        )
+        if not same:
+            raise CheckpointError(
+                f"{where} is a DTensor of shape {tuple(value.shape)} with placements {tuple(value.placements)} on "
+                f"another mesh or layout than the live Shard(0) {full_shape}; load a full (gathered) checkpoint or "
+                "one resharded by torch.distributed.checkpoint instead."
+            )
+        rows_here = value.to_local()
+    else:
+        if tuple(value.shape) == tuple(spec.shape):
+            value = value.reshape(full_shape)
+        if tuple(value.shape) != full_shape:
+            raise CheckpointError(
+                f"{where} has shape {tuple(value.shape)}, expected {full_shape} (or {tuple(spec.shape)}); was the "
+                "state cast or reshaped by another loader?"
+            )
+        if shard is None:
+            rows_here = value
+        else:
+            rows_here = value[shard.start : shard.stop]
+    if tuple(rows_here.shape[1:]) != full_shape[1:] or (
+        shard is not None and rows_here.shape[0] != shard.stop - shard.start
+    ):
+        raise CheckpointError(f"{where}: this rank's rows have shape {tuple(rows_here.shape)}, not the live shard's.")
+    if spec.non_negative and rows_here.numel() and not bool(((rows_here >= 0) & torch.isfinite(rows_here)).all()):
+        raise CheckpointError(f"{where} has negative or non-finite values.")
+    rows_here = rows_here.detach().to(device=device).clone()
+    if shard is None:
+        return rows_here.reshape(spec.shape)
+    return as_sharded(rows_here, shard, full_shape)
 
 
 @dataclass
@@ -356,6 +435,8 @@ class StagedLoad:
 
 #: Group keys that describe the live process, not the run: absent from a saved group is fine.
 _LIVE_ONLY_GROUP_KEYS = frozenset({"params", "param_names", "fused"})
+#: Group options added after checkpoints existed: a checkpoint without one keeps the live value.
+_ADDED_GROUP_KEYS = frozenset({"sharded_mode"})
 
 #: Keys of a :class:`gefen.GefenMuonHybrid` state dict (``"deterministic"`` since gefen 0.x schema 2 of the
 #: children; older hybrid checkpoints lack it and load under the live policy).
@@ -420,6 +501,7 @@ def stage_load(
     deterministic: bool = False,
     capturable: bool = False,
     group_validator: Callable[[Mapping[str, Any], int], None] | None = None,
+    shard_of: Callable[[Tensor], RowShard | None] | None = None,
 ) -> StagedLoad:
     """Validate ``state_dict`` against the live param groups and build the state to publish.
 
@@ -435,6 +517,7 @@ def stage_load(
         group_validator: the optimizer's own per-group check ``(group, index)`` (e.g. GefenMuon's momentum,
             Newton–Schulz and NorMuon options), run on every saved group; its ``ValueError`` becomes a
             :class:`CheckpointError`.
+        shard_of: ``param -> RowShard | None`` for sharded (DTensor) parameters (see :func:`stage_param_state`).
 
     Returns:
         :class:`StagedLoad`.
@@ -468,7 +551,9 @@ def stage_load(
             raise CheckpointError(
                 f"{where} has {len(saved['params'])} parameters, the live group has {len(live['params'])}."
             )
-        missing = sorted(k for k in live if k not in saved and k not in _LIVE_ONLY_GROUP_KEYS)
+        missing = sorted(
+            k for k in live if k not in saved and k not in _LIVE_ONLY_GROUP_KEYS and k not in _ADDED_GROUP_KEYS
+        )
         if missing:
             raise CheckpointError(
                 f"{where} lacks the hyperparameters {missing} that this optimizer's groups have; the checkpoint "
@@ -503,6 +588,9 @@ def stage_load(
             k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items() if k != GROUP_METADATA_KEY
         }
         group["params"] = live["params"]
+        for key in _ADDED_GROUP_KEYS:
+            if key in live and key not in group:
+                group[key] = live[key]
         if live_names is not None:
             group["param_names"] = live_names
         new_groups.append(group)
@@ -518,8 +606,9 @@ def stage_load(
             tuple(param.shape),
             second_moment_kind(param, group),
             where,
-            device=param.device,
+            device=(param.to_local() if is_dtensor(param) else param).device,
             counter_device=param.device if capturable else None,
+            shard=None if shard_of is None else shard_of(param),
         )
     codebook = meta.codebook
     if new_state and codebook is None:

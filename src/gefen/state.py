@@ -206,7 +206,9 @@ class ParamState:
 
 
 def tensor_bytes(t: Tensor) -> int:
-    """Bytes held by ``t``'s elements (``numel × element_size``), in bytes."""
+    """Bytes held by ``t``'s elements (``numel × element_size``), in bytes; for a DTensor, this rank's part."""
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
     return t.numel() * t.element_size()
 
 

@@ -9,7 +9,7 @@ iteration ``X <- a·X + (b·A + c·A²)·X`` with ``A = X·Xᵀ``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -114,7 +114,14 @@ def newton_schulz(update: Tensor, schedule: Sequence[tuple[float, float, float]]
     return x.mT if transposed else x
 
 
-def normuon_(update: Tensor, v: Tensor, step: int | Tensor, beta: float, eps: float) -> Tensor:
+def normuon_(
+    update: Tensor,
+    v: Tensor,
+    step: int | Tensor,
+    beta: float,
+    eps: float,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """NorMuon row normalisation of an orthogonalised update, in place; updates the row second moment.
 
     ``n_r = ‖O_r‖₂`` (fp32); ``v_r <- β·v_r + (1−β)·n_r²/C``; ``d_r = sqrt(v_r / (1 − β^t)) + ε``;
@@ -128,6 +135,9 @@ def normuon_(update: Tensor, v: Tensor, step: int | Tensor, beta: float, eps: fl
             (``capturable=True``; same float64 arithmetic, no host read).
         beta: ``β ∈ [0, 1)``.
         eps: ``ε > 0``.
+        reduce: for a matrix whose rows are split over ranks (``update`` and ``v`` hold this rank's rows): sums
+            the fp32 ``(2,)`` tensor ``[Σ n_r², Σ (n_r/d_r)²]`` over the ranks in place, so ``φ`` is the full
+            matrix's; ``None`` for a whole matrix.
 
     Returns:
         ``update``.
@@ -137,8 +147,11 @@ def normuon_(update: Tensor, v: Tensor, step: int | Tensor, beta: float, eps: fl
     norms = update.float().norm(dim=1)
     v.mul_(beta).add_(norms.square() / update.shape[1], alpha=1.0 - beta)
     denom = (v / (1.0 - beta**step)).sqrt_().add_(eps)
-    scaled = (norms / denom).square().sum().sqrt().clamp_min(1.1754943508222875e-38)
-    phi = norms.square().sum().sqrt() / scaled
+    sums = torch.stack([norms.square().sum(), (norms / denom).square().sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    scaled = sums[1].sqrt().clamp_min(1.1754943508222875e-38)
+    phi = sums[0].sqrt() / scaled
     return update.mul_((phi / denom).unsqueeze(1).to(update.dtype))
 
 

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.agreement import agree
 from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
+from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
 __all__ = ["GefenOptimizer", "WorkItem"]
@@ -34,13 +36,8 @@ NONFINITE_POLICIES = ("raise", "ignore")
 def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
     """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
     meta = build_metadata(optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic)
+    meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
     attach_metadata(state_dict, meta)
-
-
-def _is_dtensor(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed when
-    it is unavailable)."""
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local") and hasattr(tensor, "placements")
 
 
 def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
@@ -75,14 +72,22 @@ class WorkItem:
     """One parameter to update in this step.
 
     Attributes:
-        param: the parameter tensor.
-        grad: its gradient (same shape, validated).
+        param: the parameter tensor (the key of its state; a DTensor for a sharded parameter).
+        grad: its gradient as a plain tensor, of :attr:`target`'s shape (validated): this rank's rows of a
+            sharded parameter's gradient.
         name: the parameter's name (from ``(name, tensor)`` pairs) or ``param_groups[g][i]``.
+        shard: the rows this rank holds of a sharded (DTensor) parameter, ``None`` for a plain tensor.
     """
 
     param: Tensor
     grad: Tensor
     name: str
+    shard: RowShard | None = None
+
+    @property
+    def target(self) -> Tensor:
+        """The tensor the update writes: the parameter, or this rank's rows of a sharded one (a view)."""
+        return local(self.param)
 
 
 class GefenOptimizer(torch.optim.Optimizer):
@@ -148,6 +153,7 @@ class GefenOptimizer(torch.optim.Optimizer):
     def _init_runtime(self) -> None:
         """Per-process caches that are never pickled or checkpointed (compiled kernels, pending codebook)."""
         self._kernels = StepKernels()
+        self._shards: dict[int, RowShard | None] = {}
         self._pending_codebook: Tensor | None = None
         self._warned_fallback = False
 
@@ -191,19 +197,84 @@ class GefenOptimizer(torch.optim.Optimizer):
                     f"{where}['params'][{i}] has dtype {tensor.dtype}; {self.kind} optimizes real floating "
                     "tensors only (for complex parameters optimize torch.view_as_real(p))."
                 )
-            if _is_dtensor(tensor):
-                raise ConfigError(
-                    f"{where}['params'][{i}] is a DTensor (FSDP2 fully_shard / tensor parallel): sharded parameters "
-                    f"are not supported by {self.kind} yet, and stepping them as plain tensors would be wrong. Use "
-                    "DDP (supported: bit-identical replicas with deterministic=True) or torch.optim.AdamW for "
-                    "sharded models."
-                )
             tensors.append(tensor)
         if len({id(t) for t in tensors}) != len(tensors):
             raise ConfigError(f"{where}['params'] lists the same parameter twice; pass each parameter once.")
         self._check_group_tensors({**self.defaults, **group}, tensors, where)
+        self._check_sharding({**self.defaults, **group}, tensors, where)
         group["params"] = items
         super().add_param_group(group)
+
+    def _check_sharding(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+        """Sharded (DTensor) parameters: FSDP2's layout, one mesh for the whole optimizer, no plain tensors mixed
+        in, and no policy that cannot run sharded (see :mod:`gefen.sharding`).
+
+        Raises:
+            ConfigError: naming the parameter and the fix.
+        """
+        existing = [p for g in self.param_groups for p in g["params"]]
+        sharded_before = any(is_dtensor(p) for p in existing)
+        for i, tensor in enumerate(tensors):
+            shard = row_shard(tensor, f"{where}['params'][{i}]")
+            if existing and (shard is not None) != sharded_before:
+                raise ConfigError(
+                    f"{where}['params'][{i}] is {'a DTensor' if shard else 'a plain tensor'} but this "
+                    f"{self.kind} already holds {'DTensors' if sharded_before else 'plain tensors'}: one optimizer "
+                    "steps either sharded (FSDP2) parameters or plain ones. Shard the whole model with fully_shard, "
+                    "or use one optimizer per kind."
+                )
+            existing.append(tensor)
+            sharded_before = shard is not None
+            if shard is None:
+                continue
+            first = self._first_shard(existing)
+            if first is not None and mesh_key(first.mesh) != mesh_key(shard.mesh):
+                raise ConfigError(
+                    f"{where}['params'][{i}] is sharded on another DeviceMesh than this {self.kind}'s other "
+                    "parameters; all sharded parameters of one optimizer must share one mesh."
+                )
+            if self.capturable:
+                raise ConfigError(
+                    f"{self.kind}(capturable=True) does not step sharded (DTensor) parameters: their first step "
+                    "and Muon's gathers run collectives on the host. Use capturable=False with FSDP2."
+                )
+            if group.get("fused") is True:
+                raise ConfigError(
+                    f"{where}['params'][{i}] is a DTensor; fused=True covers plain tensors only (sharded "
+                    "parameters run the eager step). Pass fused=None or fused=False."
+                )
+
+    @staticmethod
+    def _first_shard(params: list[Tensor]) -> RowShard | None:
+        for p in params:
+            if is_dtensor(p):
+                return row_shard(p, "parameter")
+        return None
+
+    def _shard_of(self, param: Tensor) -> RowShard | None:
+        """The cached :class:`~gefen.sharding.RowShard` of a parameter (``None`` for a plain tensor)."""
+        if not is_dtensor(param):
+            return None
+        shard = self._shards.get(id(param))
+        if shard is None:
+            shard = row_shard(param, "parameter")
+            self._shards[id(param)] = shard
+        return shard
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this optimizer steps sharded (FSDP2 / DTensor) parameters."""
+        return self._any_shard() is not None
+
+    def _any_shard(self) -> RowShard | None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return self._shard_of(p)
+        return None
+
+    def _identity(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Ordered ``(name, global shape, dtype)`` of every parameter: what every rank must agree on."""
+        return [(name, tuple(p.shape), str(p.dtype)) for _g, _i, p, name in self._iter_params()]
 
     # ------------------------------------------------------------------ step plumbing
     def _iter_params(self) -> Iterator[tuple[int, int, Tensor, str]]:
@@ -238,6 +309,14 @@ class GefenOptimizer(torch.optim.Optimizer):
             if grad is None or p.numel() == 0:
                 continue
             where = f"{self.kind}: gradient of {name}"
+            shard = self._shard_of(p)
+            if shard is not None:
+                if not is_dtensor(grad) or tuple(grad.placements) != tuple(p.placements):
+                    raise StepError(
+                        f"{where} is not a DTensor with the parameter's placements {tuple(p.placements)}; "
+                        "FSDP2 produces sharded gradients for sharded parameters."
+                    )
+                grad, p = grad.to_local(), p.to_local()
             if grad.is_sparse or grad.layout != torch.strided:
                 raise StepError(f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients.")
             if grad.is_complex() or not grad.is_floating_point():
@@ -246,8 +325,50 @@ class GefenOptimizer(torch.optim.Optimizer):
                 raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
             if grad.device != p.device:
                 raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
-            plan[g].append(WorkItem(p, grad, name))
+            plan[g].append(WorkItem(self.param_groups[g]["params"][_i], grad, name, shard))
         return plan
+
+    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], bool]:
+        """Everything a step checks before it may change anything: the closure, the groups and gradients, the
+        GradScaler protocol (unscaling the gradients unless it found an overflow) and the NaN/Inf policy.
+
+        A sharded optimizer then agrees with every rank (:func:`gefen.agreement.agree`): a local failure, another
+        parameter order or gradient presence, or other GradScaler controls fail every rank the same way.
+
+        Returns:
+            ``(closure's loss, plan, skip)``; ``skip`` is true when GradScaler found an overflow.
+
+        Raises:
+            StepError, ConfigError: see :meth:`_prepare`, :meth:`_amp_skip`, :meth:`_check_finite` (a sharded
+                optimizer raises StepError on every rank).
+        """
+        shard = self._any_shard()
+        if shard is None:
+            loss = self._evaluate_closure(closure)
+            plan = self._prepare()
+            if self._amp_skip(plan):
+                return loss, plan, True
+            self._check_fresh_under_capture(plan)
+            self._check_finite(plan)
+            return loss, plan, False
+        loss, plan, failure, overflow, present = None, [], None, False, False
+        try:
+            loss = self._evaluate_closure(closure)
+            plan = self._prepare()
+            controls = read_amp_controls(self, self.kind)
+            present = controls is not None
+            overflow = self._amp_skip(plan)
+            if not overflow:
+                self._check_finite(plan)
+        except Exception as exc:  # shared with every rank before anyone raises
+            failure = exc
+        has_grad = {id(item.param) for work in plan for item in work}
+        presence = [id(p) in has_grad for _g, _i, p, _n in self._iter_params()]
+        skip = agree(self.kind, "step", shard, failure, self._identity(), presence, (present, overflow))
+        return loss, plan, skip
+
+    def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
+        """Subclass hook: refuse a parameter's first step inside a trace or capture (raise StepError)."""
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -323,7 +444,16 @@ class GefenOptimizer(torch.optim.Optimizer):
             CheckpointError: the dict does not fit this optimizer (see :func:`gefen.checkpoint.stage_load`);
                 the optimizer and the caller's dict are left unchanged.
         """
-        staged = self._stage_load(state_dict)
+        shard = self._any_shard()
+        if shard is None:
+            staged = self._stage_load(state_dict)
+        else:  # every rank validates its rows; all publish or all refuse
+            failure = None
+            try:
+                staged = self._stage_load(state_dict)
+            except Exception as exc:
+                failure = exc
+            agree(self.kind, "load_state_dict", shard, failure, self._identity())
         self._publish_load(staged)
         self._run_load_post_hooks()
 
@@ -347,6 +477,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             deterministic=self.deterministic,
             capturable=self.capturable,
             group_validator=self._check_group,
+            shard_of=self._shard_of,
         )
 
     def _publish_load(self, staged: StagedLoad) -> None:
@@ -370,7 +501,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._tables = {key: entry for key, entry in self._tables.items() if entry[0] is codebook}
 
     def _codebook_device(self) -> torch.device:
-        return self.param_groups[0]["params"][0].device
+        return local(self.param_groups[0]["params"][0]).device
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -415,7 +546,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         rows = []
         for _g, _i, p, name in self._iter_params():
             st = self.state.get(p, {})
-            view = ParamState.from_dict(st) if STEP in st else None
+            view = ParamState.from_dict(local_state(st)) if STEP in st else None
             period = None if view is None else view.period
             kind = None if view is None else view.kind
             rows.append(

@@ -52,6 +52,14 @@ from gefen.math.moments import (
 )
 from gefen.math.period import find_period
 from gefen.optim._base import GefenOptimizer, WorkItem
+from gefen.sharding import (
+    all_reduce_,
+    collective_device,
+    gather_rows,
+    init_sharded_state,
+    is_dtensor,
+    local_state,
+)
 from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_factorable
 
 __all__ = ["Gefen"]
@@ -262,6 +270,8 @@ class Gefen(GefenOptimizer):
                 )
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
+        if is_dtensor(param):  # a row/column statistic would need the other ranks' rows: block-shared instead
+            return "block"
         return "factored" if group.get("factored_v_2d", True) and is_factorable(tuple(param.shape)) else "block"
 
     @torch.no_grad()
@@ -295,18 +305,10 @@ class Gefen(GefenOptimizer):
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         _check_capture(self)
         check_not_inference(self.kind)
-        loss = self._evaluate_closure(closure)
-        plan = self._prepare()
-        if self._amp_skip(plan):  # GradScaler found an overflow: the step is skipped, nothing changes
+        loss, plan, skip = self._preflight(closure)
+        if skip:  # GradScaler found an overflow: the step is skipped, nothing changes
             return loss
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
-        if fresh and self.capturable and _capturing():
-            raise StepError(
-                f"{self.kind}(capturable=True): {fresh[0].name} gets its first gradient inside a torch.compile "
-                "trace or CUDA-graph capture, but a parameter's first step (period search, codebook) runs on the "
-                "host. Run eager warm-up steps in which every trained parameter has a gradient, then capture."
-            )
-        self._check_finite(plan)
         periods = self._search_periods(fresh)
         starting = [item for item in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
@@ -333,22 +335,41 @@ class Gefen(GefenOptimizer):
                     continue
                 if id(item.param) in periods:
                     kind = self._second_moment_kind(item.param, group)
-                    self.state[item.param] = init_state(
-                        item.param, periods[id(item.param)], kind, zero_code, counters_on_device=self.capturable
-                    )
+                    period = periods[id(item.param)]
+                    if item.shard is not None:
+                        self.state[item.param] = init_sharded_state(item.target, item.shard, period, kind, zero_code)
+                    else:
+                        self.state[item.param] = init_state(
+                            item.param, period, kind, zero_code, counters_on_device=self.capturable
+                        )
                 else:  # all-zero first gradient: only the decoupled decay
-                    zero = torch.zeros((), device=item.param.device).expand(item.param.shape)
-                    apply_update_(item.param, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
+                    zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
+                    apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
         left = self._run_compiled(
             [(item, group, kernels[id(item.param)]) for item, group in jobs if id(item.param) in kernels]
         )
-        for item, group in jobs:
-            if self.capturable:
+        if self.capturable:
+            for item, group in jobs:
                 self._update_on_device(item, group)
-            elif id(item.param) not in kernels or id(item.param) in left:
-                self._update(item, group)
-        self._advance_global_step()
+        else:
+            self._update_all([(i, g) for i, g in jobs if id(i.param) not in kernels or id(i.param) in left])
+        if jobs:  # a step that only saw all-zero first gradients (e.g. DCP's hidden init step) learned nothing
+            self._advance_global_step()
         return loss
+
+    def _update_all(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
+        """The eager update of ``jobs`` in order (GefenMuon overrides it to batch sharded Newton–Schulz)."""
+        for item, group in jobs:
+            self._update(item, group)
+
+    def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
+        fresh = [item for work in plan for item in work if not self._has_state(item.param)]
+        if fresh and self.capturable and _capturing():
+            raise StepError(
+                f"{self.kind}(capturable=True): {fresh[0].name} gets its first gradient inside a torch.compile "
+                "trace or CUDA-graph capture, but a parameter's first step (period search, codebook) runs on the "
+                "host. Run eager warm-up steps in which every trained parameter has a gradient, then capture."
+            )
 
     def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
         """``capturable=True``: one parameter's step with every per-step value computed on its device.
@@ -451,6 +472,8 @@ class Gefen(GefenOptimizer):
         try:
             default = fused_by_default() if any(group.get("fused") is None for _, group in jobs) else False
             for item, group in jobs:
+                if item.shard is not None:  # sharded parameters run the eager step
+                    continue
                 fused = group.get("fused")
                 wanted = default if fused is None else fused
                 if fused and not compile_supported():
@@ -567,10 +590,22 @@ class Gefen(GefenOptimizer):
         its first non-zero gradient. The gradients were checked finite by :meth:`_check_finite`.
         """
         periods = {}
+        sharded = [item for item in fresh if item.shard is not None]
         for item in fresh:
-            g32 = item.grad.to(torch.float32)
-            if bool(g32.any()):
-                periods[id(item.param)] = find_period(g32)
+            if item.shard is None:
+                g32 = item.grad.to(torch.float32)
+                if bool(g32.any()):
+                    periods[id(item.param)] = find_period(g32)
+        if sharded:  # the same search on the full gradient on every rank, with blocks kept inside rows
+            shard = sharded[0].shard
+            assert shard is not None
+            nonzero = torch.tensor([bool(item.grad.any()) for item in sharded], dtype=torch.int64)
+            nonzero = all_reduce_(nonzero.to(collective_device(shard)), shard.group, "max")
+            for item, flag in zip(sharded, nonzero.tolist()):
+                if flag:
+                    assert item.shard is not None
+                    full = gather_rows(item.grad.to(torch.float32), item.shard)
+                    periods[id(item.param)] = math.gcd(find_period(full), item.shard.row_length)
         return periods
 
     def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> tuple[Tensor, str | None]:
@@ -579,6 +614,9 @@ class Gefen(GefenOptimizer):
         counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
         for item in starting:
             accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
+        shard = starting[0].shard
+        if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
+            counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(device)
         active = int((counts > 0).sum())
         warning = None
         if active < CODEBOOK_SIZE - 1:
@@ -622,18 +660,18 @@ class Gefen(GefenOptimizer):
         Chunking bounds the transient memory to a few bytes per element of one chunk and keeps every pass in
         cache; per-block reductions never straddle a chunk, so the result does not depend on the chunk size.
         """
-        state = self.state[item.param]
-        view = ParamState.from_dict(state)
+        view = ParamState.from_dict(local_state(self.state[item.param]))
         beta1, beta2 = (as_float(b) for b in group["betas"])
         lr, eps, weight_decay = as_float(group["lr"]), as_float(group["eps"]), as_float(group["weight_decay"])
-        table = self._nearest_table(item.param.device)
-        period, numel = view.period, item.param.numel()
+        target = item.target
+        table = self._nearest_table(target.device)
+        period, numel = view.period, target.numel()
         view.step.add_(1)
         t = int(view.step)
         bc1, bc2 = bias_correction(beta1, t), bias_correction(beta2, t)
         grad = item.grad.reshape(-1)
         if view.kind == "factored":
-            rows, cols = item.param.shape
+            rows, cols = target.shape
             factored_second_moment_(
                 view.second_moment_row, view.second_moment_col, grad.to(torch.float32).view(rows, cols), beta2
             )
@@ -641,9 +679,9 @@ class Gefen(GefenOptimizer):
             unit = math.lcm(period, cols)
         else:
             unit = period
-        target = _CHUNK_ELEMENTS if item.param.device.type == "cpu" else _CHUNK_ELEMENTS_ACCELERATOR
-        chunk = max(unit, (target // unit) * unit)
-        work = item.param.view(-1) if item.param.is_contiguous() else item.param.reshape(-1).clone()
+        size = _CHUNK_ELEMENTS if target.device.type == "cpu" else _CHUNK_ELEMENTS_ACCELERATOR
+        chunk = max(unit, (size // unit) * unit)
+        work = target.view(-1) if target.is_contiguous() else target.reshape(-1).clone()
         for start in range(0, numel, chunk):
             stop = min(start + chunk, numel)
             blocks = slice(start // period, stop // period)
@@ -660,5 +698,5 @@ class Gefen(GefenOptimizer):
             view.codes[blocks] = moment.codes
             view.scale[blocks] = moment.scale
             apply_update_(work[start:stop], direction, lr, weight_decay, scale)
-        if work.data_ptr() != item.param.data_ptr():
-            item.param.copy_(work.view_as(item.param))
+        if work.data_ptr() != target.data_ptr():
+            target.copy_(work.view_as(target))

@@ -17,9 +17,13 @@ from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 from gefen.optim._base import WorkItem
 from gefen.optim.gefen import Gefen
+from gefen.sharding import all_reduce_, as_sharded, gather_rows, gather_rows_to, local_state, scatter_rows_from
 from gefen.state import NORMUON_STEP, NORMUON_V, ParamState, SecondMomentKind
 
-__all__ = ["GefenMuon"]
+__all__ = ["GefenMuon", "SHARDED_MODES"]
+
+#: ``sharded_mode`` values (see :class:`GefenMuon`).
+SHARDED_MODES = ("exact", "distributed", "approx")
 
 
 class GefenMuon(Gefen):
@@ -59,6 +63,16 @@ class GefenMuon(Gefen):
         normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4).
         normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
         normuon_eps: NorMuon ε > 0.
+        sharded_mode: how a sharded (FSDP2 ``Shard(0)`` DTensor) parameter is orthogonalised; ignored for plain
+            tensors (hardening.md §5.2, algorithm.md §7.7). ``"exact"``: every rank all-gathers the full update
+            matrix and runs Newton–Schulz on it, then keeps its rows: the same result as one process (equal up to
+            the order of floating-point sums in NorMuon's two norms). ``"distributed"``: each matrix has one owner
+            rank (its position among the optimizer's sharded parameters modulo the world size) that gathers it,
+            runs Newton–Schulz and scatters the rows back, owners working in parallel on buckets of ``world``
+            matrices: bit-identical to ``"exact"``, with 1/world of its Newton–Schulz work per rank.
+            ``"approx"``: Newton–Schulz of each rank's own rows only, no gather (cheaper; not equivalent). In
+            every mode the momentum is sharded like the parameter and the period and codebook are the same on
+            every rank, so checkpoints reshard between modes and world sizes.
         fused: the compiled quantized momentum (one ``torch.compile``\ d kernel per signature, shared machinery
             with :class:`gefen.Gefen`): ``None`` where it works, ``True`` required, ``False`` eager. Newton–Schulz
             runs as torch matmuls either way.
@@ -88,6 +102,7 @@ class GefenMuon(Gefen):
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
+        sharded_mode: str = "exact",
         fused: bool | None = None,
         deterministic: bool = False,
         capturable: bool = False,
@@ -110,6 +125,7 @@ class GefenMuon(Gefen):
             "normuon": normuon,
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
+            "sharded_mode": sharded_mode,
             "fused": fused,
         }
         _check_muon_group(defaults, "GefenMuon")
@@ -211,54 +227,132 @@ class GefenMuon(Gefen):
     # ------------------------------------------------------------------ the Muon update
     def _update(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | None = None) -> None:
         """Apply algorithm.md §7.1 to one 2-D parameter (the momentum through a compiled kernel if given)."""
-        state = self.state[item.param]
-        view = ParamState.from_dict(state)
+        update = self._direction(item, group, signature)
+        shard = item.shard
+        if shard is None or group.get("sharded_mode", "exact") == "approx":
+            orthogonal = self._orthogonalize(update, group)
+        else:  # exact (and distributed outside of a bucket): Newton–Schulz of the full matrix, keep our rows
+            orthogonal = self._orthogonalize(gather_rows(update, shard), group)[shard.start : shard.stop]
+        self._finish(item, group, orthogonal)
+
+    def _update_all(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
+        """Eager updates; sharded ``"distributed"`` parameters go in buckets of ``world`` matrices: all momenta
+        first, then each bucket's gathers to their owners, the owners' Newton–Schulz (in parallel across ranks),
+        and the scatters back (hardening.md §5.2)."""
+        bucketed = [(i, g) for i, g in jobs if i.shard is not None and g.get("sharded_mode") == "distributed"]
+        for item, group in jobs:
+            if not (item.shard is not None and group.get("sharded_mode") == "distributed"):
+                self._update(item, group)
+        if not bucketed:
+            return
+        world = bucketed[0][0].shard.world  # type: ignore[union-attr]
+        if world < 2:
+            for item, group in bucketed:
+                self._update(item, group)
+            return
+        owners = self._owners()
+        for start in range(0, len(bucketed), world):
+            bucket = bucketed[start : start + world]
+            updates = [self._direction(item, group) for item, group in bucket]
+            full: dict[int, Tensor] = {}
+            for (item, _g), update in zip(bucket, updates):
+                assert item.shard is not None
+                owner = owners[id(item.param)]
+                gathered = gather_rows_to(update, item.shard, owner)
+                if gathered is not None:
+                    full[id(item.param)] = gathered
+            for item, group in bucket:
+                if id(item.param) in full:
+                    full[id(item.param)] = self._orthogonalize(full[id(item.param)], group)
+            for (item, group), update in zip(bucket, updates):
+                assert item.shard is not None
+                like = torch.empty_like(update, dtype=torch.bfloat16)  # NS output dtype: "exact"'s bits
+                rows = scatter_rows_from(full.get(id(item.param)), like, item.shard, owners[id(item.param)])
+                self._finish(item, group, rows)
+
+    def _owners(self) -> dict[int, int]:
+        """Owner rank of every sharded ``"distributed"`` parameter: its position among all of the optimizer's
+        parameters in those groups (whether or not they have a gradient now) modulo the world size."""
+        eligible = [p for g in self.param_groups if g.get("sharded_mode") == "distributed" for p in g["params"]]
+        owners = {}
+        for position, p in enumerate(eligible):
+            shard = self._shard_of(p)
+            if shard is not None:
+                owners[id(p)] = position % shard.world
+        return owners
+
+    def _direction(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | None = None) -> Tensor:
+        """Update the quantized momentum of one parameter (this rank's rows) and return the matrix to
+        orthogonalise: ``U = β·m̂ + (1−β)·G`` (Nesterov) or ``m̂``, fp32 of the target's shape."""
+        view = ParamState.from_dict(local_state(self.state[item.param]))
         beta = as_float(group["momentum"])
-        rows, cols = item.param.shape
+        rows, cols = item.target.shape
         grad = item.grad.to(torch.float32)
         m_hat = self._compiled_momentum(item, view, signature, beta) if signature is not None else None
         if self.capturable:
             m_hat = self._momentum_on_device(item, view, beta)
         if m_hat is None:
             moment = update_quantized_moment(
-                view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(item.param.device), beta
+                view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(grad.device), beta
             )
             view.codes.copy_(moment.codes)
             view.scale.copy_(moment.scale)
             m_hat = moment.m_hat
         view.step.add_(1)
         m_hat = m_hat.view(rows, cols)
-        update = m_hat.mul_(beta).add_(grad, alpha=1.0 - beta) if group["nesterov"] else m_hat
+        return m_hat.mul_(beta).add_(grad, alpha=1.0 - beta) if group["nesterov"] else m_hat
+
+    @staticmethod
+    def _orthogonalize(update: Tensor, group: Mapping[str, Any]) -> Tensor:
+        """Newton–Schulz of ``update`` with the group's schedule (an empty matrix stays empty)."""
+        if update.numel() == 0:
+            return update
         schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"])
-        orthogonal = newton_schulz(update, schedule, as_float(group["eps"]))
+        return newton_schulz(update, schedule, as_float(group["eps"]))
+
+    def _finish(self, item: WorkItem, group: Mapping[str, Any], orthogonal: Tensor) -> None:
+        """NorMuon (if on) and the decoupled-decay update of this rank's rows with ``O`` (``orthogonal``)."""
+        state = self.state[item.param]
+        rows, cols = item.param.shape  # the global shape sets the lr ratio
+        target = item.target
         if group["normuon"]:
             if NORMUON_V not in state:  # turned on after the state was created
-                state[NORMUON_V] = torch.zeros(rows, dtype=torch.float32, device=item.param.device)
-                counter_device = item.param.device if self.capturable else None
+                fresh = torch.zeros(target.shape[0], dtype=torch.float32, device=target.device)
+                state[NORMUON_V] = fresh if item.shard is None else as_sharded(fresh, item.shard, (rows,))
+                counter_device = target.device if self.capturable else None
                 state[NORMUON_STEP] = torch.zeros((), dtype=torch.int64, device=counter_device)
             state[NORMUON_STEP].add_(1)
+            reduce = None
+            if item.shard is not None and group.get("sharded_mode", "exact") != "approx":
+                shard = item.shard
+
+                def reduce(sums: Tensor) -> Tensor:
+                    return all_reduce_(sums, shard.group, "sum")
+
             normuon_(
                 orthogonal,
-                state[NORMUON_V],
+                local_state(state)[NORMUON_V],
                 state[NORMUON_STEP].double() if self.capturable else int(state[NORMUON_STEP]),
                 as_float(group["normuon_beta2"]),
                 as_float(group["normuon_eps"]),
+                reduce=reduce,
             )
         else:
             state.pop(NORMUON_V, None)
             state.pop(NORMUON_STEP, None)
         ratio = adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
         if self.capturable:  # lr read on the device
-            lr, device = group["lr"], item.param.device
+            lr, device = group["lr"], target.device
             eta = (
                 lr.to(device, torch.float64).reshape(())
                 if isinstance(lr, Tensor)
                 else torch.full((), lr, dtype=torch.float64, device=device)
             )
             decay = (1.0 - eta * as_float(group["weight_decay"])).float()
-            write_param_(item.param.detach(), orthogonal.float(), decay, (-eta * ratio).float())
+            write_param_(target.detach(), orthogonal.float(), decay, (-eta * ratio).float())
             return
-        apply_update_(item.param, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
+        if target.numel():
+            apply_update_(target, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
 
 
 def _muon_constants(device: torch.device, beta: float) -> Tensor:
@@ -281,6 +375,8 @@ def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
         raise ConfigError(
             f"{where}['adjust_lr_fn']={group.get('adjust_lr_fn')!r} must be None, 'original' or 'match_rms_adamw'."
         )
+    if group.get("sharded_mode", "exact") not in SHARDED_MODES:
+        raise ConfigError(f"{where}['sharded_mode']={group.get('sharded_mode')!r} must be one of {SHARDED_MODES}.")
     if "ns_steps" in group or "ns_schedule" in group:
         try:
             resolve_schedule(group.get("ns_schedule"), group.get("ns_steps", 5))

@@ -1,0 +1,292 @@
+"""Sharded (FSDP2 / DTensor) parameters: which rows a rank holds, the sharded state layout, and the few
+collectives the optimizers need.
+
+Gefen supports the layout FSDP2's ``fully_shard`` produces: a DTensor on a 1-D ``DeviceMesh`` with one
+``Shard(0)`` placement, rows split by ``torch.chunk`` arithmetic (``ceil(R / world)`` rows per rank, trailing ranks
+possibly empty). Every optimizer's DTensor parameters must share one mesh.
+
+**State layout.** Blocks never straddle rows: the period ``P`` divides the row length ``L = numel / R``, so the
+``k = L / P`` blocks of a row live on the rank that holds the row. The state of a sharded parameter is therefore
+sharded exactly like the parameter, as DTensors on the same mesh with ``Shard(0)``:
+
+==========================  ==========  =============  ==========================================
+key                         dtype       global shape   meaning
+==========================  ==========  =============  ==========================================
+``first_moment_codes``      uint8       (R, k, P)      codebook indices
+``first_moment_scale``      float32     (R, k)         per-block magnitude
+``second_moment``           float32     (R, k)         block second moment (Gefen)
+``normuon_v``               float32     (R,)           NorMuon row EMA (GefenMuon)
+==========================  ==========  =============  ==========================================
+
+Flattened, ``(R, k, P)`` is exactly the single-process ``(B, P)`` layout (``B = R·k``), and the codebook is
+learned from the histogram summed over all ranks, so the state does not depend on the world size:
+``torch.distributed.checkpoint`` reshards it N → M like any DTensor, and a full (gathered) state loads into a single
+process. Source: hardening.md §5.2 (FSDP2 stepping), with the rank-independent layout as Gefen's design.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.errors import ConfigError
+
+__all__ = [
+    "RowShard",
+    "is_dtensor",
+    "row_shard",
+    "local",
+    "chunk_rows",
+    "sharded_shape",
+    "as_sharded",
+    "gather_rows",
+    "mesh_key",
+    "digest64",
+    "SHARDED_KEYS",
+]
+
+#: State keys whose tensors are sharded by rows (DTensors with ``Shard(0)``) for a sharded parameter.
+SHARDED_KEYS = ("first_moment_codes", "first_moment_scale", "second_moment", "normuon_v")
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (no import of torch.distributed needed)."""
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of rank ``rank`` when ``rows`` are split like ``torch.chunk`` (DTensor ``Shard(0)``).
+
+    Returns:
+        ``(start, stop)``, ``start == stop`` for an empty shard.
+    """
+    size = -(-rows // world) if rows else 0
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """The rows of a ``Shard(0)`` DTensor parameter held by this rank.
+
+    Attributes:
+        mesh: the 1-D ``DeviceMesh``.
+        group: its process group.
+        rank: this rank's coordinate on the mesh.
+        world: the mesh size.
+        shape: the parameter's global shape.
+        start, stop: global rows ``[start, stop)`` held here.
+    """
+
+    mesh: Any
+    group: Any
+    rank: int
+    world: int
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        """Global row count ``R`` (dim 0)."""
+        return self.shape[0]
+
+    @property
+    def row_length(self) -> int:
+        """Elements per row ``L = numel / R``."""
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    def chunk(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of another rank of the mesh."""
+        return chunk_rows(self.rows, self.world, rank)
+
+
+def mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """A content key of a ``DeviceMesh`` (device type, shape and ranks): equal meshes compare equal even when
+    they are distinct objects."""
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def row_shard(param: Tensor, where: str) -> RowShard | None:
+    """The :class:`RowShard` of a DTensor parameter, ``None`` for a plain tensor.
+
+    Raises:
+        ConfigError: a DTensor layout Gefen does not step: a mesh that is not 1-D, a placement other than one
+            ``Shard(0)``, a 0-dim parameter, or a local shard that does not hold the ``torch.chunk`` rows.
+    """
+    if not is_dtensor(param):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ConfigError(
+            f"{where} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh; Gefen steps FSDP2's layout "
+            "only: one Shard(0) placement on a 1-D mesh (fully_shard without tensor parallelism or HSDP)."
+        )
+    if param.dim() == 0:
+        raise ConfigError(f"{where} is a 0-dim DTensor; a Shard(0) parameter has at least one dimension.")
+    rank, world = mesh.get_local_rank(), mesh.size()
+    shape = tuple(param.shape)
+    start, stop = chunk_rows(shape[0], world, rank)
+    local_shape = tuple(param.to_local().shape)
+    if local_shape != (stop - start, *shape[1:]):
+        raise ConfigError(
+            f"{where}: this rank's shard has shape {local_shape}, but Shard(0) over {world} ranks gives rows "
+            f"[{start}, {stop}) of {shape}; Gefen needs torch.chunk row splits (FSDP2's default)."
+        )
+    return RowShard(mesh, mesh.get_group(), rank, world, shape, start, stop)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """The local part of a DTensor (a view sharing its storage), or ``tensor`` itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def sharded_shape(key: str, shape: tuple[int, ...], period: int, rows: int) -> tuple[int, ...]:
+    """Global shape of sharded state ``key`` for a single-process shape ``shape`` (``(B, P)``, ``(B,)`` or
+    ``(R,)``) of a parameter with ``rows`` rows: ``(R, k, P)``, ``(R, k)`` or ``(R,)``."""
+    if key == "normuon_v":
+        return (rows,)
+    blocks_per_row = shape[0] // rows
+    return (rows, blocks_per_row, period) if key == "first_moment_codes" else (rows, blocks_per_row)
+
+
+def as_sharded(local_tensor: Tensor, shard: RowShard, global_shape: tuple[int, ...]) -> Tensor:
+    """Wrap this rank's rows ``local_tensor`` (shape ``(stop − start,) + global_shape[1:]``) as a ``Shard(0)``
+    DTensor of ``global_shape`` on the parameter's mesh (no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = []
+    acc = 1
+    for d in reversed(global_shape):
+        stride.append(acc)
+        acc *= d
+    return DTensor.from_local(
+        local_tensor,
+        shard.mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=tuple(reversed(stride)),
+    )
+
+
+def gather_rows(local_rows: Tensor, shard: RowShard) -> Tensor:
+    """All-gather the rows of every rank into the full ``(R,) + local_rows.shape[1:]`` tensor (collective: every
+    rank of the mesh must call it, in the same order)."""
+    import torch.distributed as dist
+
+    size = -(-shard.rows // shard.world)
+    padded = local_rows.new_zeros((size, *local_rows.shape[1:]))
+    padded[: local_rows.shape[0]] = local_rows
+    parts = [torch.empty_like(padded) for _ in range(shard.world)]
+    dist.all_gather(parts, padded.contiguous(), group=shard.group)
+    return torch.cat([parts[r][: shard.chunk(r)[1] - shard.chunk(r)[0]] for r in range(shard.world)])
+
+
+def gather_rows_to(local_rows: Tensor, shard: RowShard, owner: int) -> Tensor | None:
+    """Gather every rank's rows on mesh rank ``owner`` only (collective). Returns the full tensor on the owner,
+    ``None`` elsewhere."""
+    import torch.distributed as dist
+
+    size = -(-shard.rows // shard.world)
+    padded = local_rows.new_zeros((size, *local_rows.shape[1:]))
+    padded[: local_rows.shape[0]] = local_rows
+    dst = dist.get_global_rank(shard.group, owner)
+    if shard.rank != owner:
+        dist.gather(padded.contiguous(), None, dst=dst, group=shard.group)
+        return None
+    parts = [torch.empty_like(padded) for _ in range(shard.world)]
+    dist.gather(padded.contiguous(), parts, dst=dst, group=shard.group)
+    return torch.cat([parts[r][: shard.chunk(r)[1] - shard.chunk(r)[0]] for r in range(shard.world)])
+
+
+def scatter_rows_from(full: Tensor | None, like: Tensor, shard: RowShard, owner: int) -> Tensor:
+    """Scatter the rows of ``full`` (given on mesh rank ``owner``) so each rank receives its own rows
+    (collective). ``like`` gives the dtype, device and trailing shape. Returns this rank's rows."""
+    import torch.distributed as dist
+
+    size = -(-shard.rows // shard.world)
+    out = like.new_empty((size, *like.shape[1:]))
+    src = dist.get_global_rank(shard.group, owner)
+    parts = None
+    if shard.rank == owner:
+        assert full is not None
+        parts = []
+        for r in range(shard.world):
+            start, stop = shard.chunk(r)
+            part = full.new_zeros((size, *full.shape[1:]))
+            part[: stop - start] = full[start:stop]
+            parts.append(part)
+    dist.scatter(out, parts, src=src, group=shard.group)
+    return out[: shard.stop - shard.start]
+
+
+def collective_device(shard: RowShard) -> torch.device:
+    """Where a collective's tensors live on the mesh of ``shard``: the current CUDA device for a CUDA mesh
+    (NCCL), else the CPU (gloo)."""
+    if shard.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's state with this rank's rows of every sharded tensor, in the single-process shapes
+    (``(B_local, P)``, ``(B_local,)``, ``(R_local,)``) and sharing their storage; plain states are returned as
+    they are."""
+    codes = state.get("first_moment_codes")
+    if codes is None or not is_dtensor(codes):
+        return state
+    view = dict(state)
+    period = codes.shape[-1]
+    for key in SHARDED_KEYS:
+        if key in view:
+            rows = view[key].to_local()
+            view[key] = rows.view(-1, period) if key == "first_moment_codes" else rows.reshape(-1)
+    return view
+
+
+def init_sharded_state(target: Tensor, shard: RowShard, period: int, kind: Any, zero_code: int) -> dict[str, Any]:
+    """Fresh state of a sharded parameter: :func:`gefen.state.init_state` of this rank's rows ``target``, its
+    row-sharded tensors wrapped as ``Shard(0)`` DTensors of their global shapes (see the table above).
+
+    Args:
+        target: this rank's rows of the parameter, ``(R_local,) + shape[1:]``.
+        shard: the parameter's :class:`RowShard`.
+        period: ``P`` dividing the row length.
+        kind: second-moment kind (``"block"``, ``"momentum"`` or ``"momentum_normuon"``).
+        zero_code: index of the codebook's exact zero.
+    """
+    from gefen.state import init_state
+
+    state: dict[str, Any] = init_state(target, period, kind, zero_code)
+    blocks_per_row = shard.row_length // period
+    rows_here = shard.stop - shard.start
+    for key in SHARDED_KEYS:
+        if key in state:
+            full = sharded_shape(key, (shard.rows * blocks_per_row, period), period, shard.rows)
+            state[key] = as_sharded(state[key].reshape((rows_here, *full[1:])), shard, full)
+    return state
+
+
+def all_reduce_(tensor: Tensor, group: Any, op: str = "sum") -> Tensor:
+    """In-place all-reduce (``"sum"`` or ``"max"``) over ``group``; returns ``tensor``."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def digest64(items: Sequence[object]) -> tuple[int, int]:
+    """A stable 62-bit digest of ``repr(items)`` as two non-negative 31-bit ints (fit any integer collective)."""
+    h = int.from_bytes(hashlib.sha256(repr(list(items)).encode()).digest()[:8], "big")
+    return (h >> 33) & 0x7FFFFFFF, (h >> 2) & 0x7FFFFFFF
