@@ -42,6 +42,7 @@ __all__ = [
     "row_shard",
     "local",
     "chunk_rows",
+    "row_period",
     "sharded_shape",
     "as_sharded",
     "gather_rows",
@@ -144,6 +145,20 @@ def row_shard(param: Tensor, where: str) -> RowShard | None:
             f"[{start}, {stop}) of {shape}; Gefen needs torch.chunk row splits (FSDP2's default)."
         )
     return RowShard(mesh, mesh.get_group(), rank, world, shape, start, stop)
+
+
+def row_period(period: int, row_length: int) -> int:
+    """The period of a sharded parameter from the single-process ``period`` of its full gradient: unchanged
+    when it divides the row length ``L``, else ``L`` (blocks spanning rows become one block per row) or, for a
+    period that does not tile rows, the largest divisor of ``L`` below it. Blocks then never straddle rows (or
+    ranks). Source: algorithm.md §3 (period search), restricted here to row-aligned blocks."""
+    from gefen.math.period import largest_divisor_at_most
+
+    if row_length % period == 0:
+        return period
+    if period > row_length:
+        return row_length
+    return largest_divisor_at_most(row_length, period)
 
 
 def local(tensor: Tensor) -> Tensor:

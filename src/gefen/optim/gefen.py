@@ -59,6 +59,7 @@ from gefen.sharding import (
     init_sharded_state,
     is_dtensor,
     local_state,
+    row_period,
 )
 from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_factorable
 
@@ -605,7 +606,7 @@ class Gefen(GefenOptimizer):
                 if flag:
                     assert item.shard is not None
                     full = gather_rows(item.grad.to(torch.float32), item.shard)
-                    periods[id(item.param)] = math.gcd(find_period(full), item.shard.row_length)
+                    periods[id(item.param)] = row_period(find_period(full), item.shard.row_length)
         return periods
 
     def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> tuple[Tensor, str | None]:

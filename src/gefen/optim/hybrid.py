@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gefen.agreement import agree
 from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
 from gefen.checkpoint import check_hybrid_layout
 from gefen.compiled import host_only
@@ -405,6 +406,32 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         check_not_inference("GefenMuonHybrid")
+        shard = next((s for s in (c._any_shard() for c in self._children() if isinstance(c, Gefen)) if s), None)
+        if shard is None:
+            loss, skip = self._preflight(closure)
+        else:  # sharded (FSDP2): every rank learns of any rank's failure before a child enters a collective
+            loss, skip, failure = None, False, None
+            try:
+                loss, skip = self._preflight(closure)
+            except Exception as exc:
+                failure = exc
+            names = {id(p): n for c in self._children() for _g, _i, p, n in _iter_named(c)}
+            params = [p for g in self.param_groups for p in g["params"]]
+            identity = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
+            presence = [p.grad is not None for p in params]
+            controls_present = (
+                getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
+            )
+            skip = agree("GefenMuonHybrid", "step", shard, failure, identity, presence, (controls_present, skip))
+        if skip:
+            return loss
+        for child in self._children():
+            child.step()
+        return loss
+
+    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
+        """The closure, both children's gradient checks, the GradScaler decision (unscaling unless it found an
+        overflow) and the NaN/Inf policy, before either half changes. Returns ``(loss, skip)``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -417,7 +444,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 plans.append((child, _check_torch_child_grads(child)))
         controls = read_amp_controls(self, "GefenMuonHybrid")
         if controls is not None and controls.overflow:
-            return loss
+            return loss, True
         if controls is not None and controls.grad_scale is not None:
             unscale_grads_([item.grad for _, items in plans for item in items], controls.grad_scale)
         for child, items in plans:  # before either half changes: NaN/Inf policy and first gradients
@@ -427,9 +454,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 bad = first_nonfinite([(item.name, item.grad) for item in items])
                 if bad is not None:
                     raise nonfinite_error("GefenMuonHybrid", bad, policy_name(self.deterministic))
-        for child in self._children():
-            child.step()
-        return loss
+        return loss, False
 
     def state_dict(self) -> dict[str, Any]:
         """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name,
@@ -489,6 +514,14 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                     post_hook(child)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _iter_named(child: torch.optim.Optimizer) -> Any:
+    """``(g, i, param, name)`` of a child's parameters (names from ``param_names`` where present)."""
+    for g, group in enumerate(child.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
 
 
 def _check_torch_child_grads(child: torch.optim.Optimizer) -> list[WorkItem]:
