@@ -355,6 +355,18 @@ def stage_param_state(
     return staged
 
 
+def _is_placeholder(saved: object) -> bool:
+    """Zero counters and nothing else: what a sharded optimizer saves for a parameter without state."""
+    if not isinstance(saved, Mapping) or FIRST_MOMENT_CODES in saved or not saved:
+        return False
+    if not set(saved) <= {STEP, PERIOD, NORMUON_STEP}:
+        return False
+    return all(
+        isinstance(v, Tensor) and v.numel() == 1 and not v.dtype.is_floating_point and int(v) == 0
+        for v in saved.values()
+    )
+
+
 def _stage_rows(
     value: Tensor,
     key: str,
@@ -541,7 +553,7 @@ def stage_load(
             f"checkpoint has {len(saved_groups)} param groups, this optimizer has {len(live_groups)} "
             "(different number of parameter groups)."
         )
-    index_to_param: dict[int, tuple[Tensor, Mapping[str, Any], str]] = {}
+    index_to_param: dict[int | str, tuple[Tensor, Mapping[str, Any], str]] = {}
     new_groups: list[dict[str, Any]] = []
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         where = f"checkpoint param_groups[{g}]"
@@ -580,8 +592,11 @@ def stage_load(
             )
             raise CheckpointError(f"{where} parameter names differ from the live ones (first difference: {diff}).")
         for i, (pid, param) in enumerate(zip(saved["params"], live["params"])):
-            if not isinstance(pid, int) or isinstance(pid, bool) or pid in index_to_param:
-                raise CheckpointError(f"{where}['params'][{i}]={pid!r} is not a unique integer index.")
+            # torch.optim saves integer indices; torch.distributed.checkpoint's helpers pass parameter names (FQNs)
+            if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid in index_to_param:
+                raise CheckpointError(
+                    f"{where}['params'][{i}]={pid!r} is not a unique integer index (or parameter name)."
+                )
             name = live_names[i] if live_names is not None else f"param_groups[{g}][{i}]"
             index_to_param[pid] = (param, saved, name)
         group = {
@@ -601,6 +616,8 @@ def stage_load(
             raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
+        if _is_placeholder(saved_state):  # a sharded optimizer's stand-in for "no state yet"
+            continue
         new_state[param] = stage_param_state(
             saved_state,
             tuple(param.shape),

@@ -37,7 +37,34 @@ def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None
     """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
     meta = build_metadata(optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic)
     meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
+    if optimizer.sharded:
+        if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
+            del meta["codebook"]
+        _add_placeholders(optimizer, state_dict)
     attach_metadata(state_dict, meta)
+
+
+#: Counters of a parameter without state, in a sharded optimizer's ``state_dict()`` (see below).
+PLACEHOLDER_KEYS = ("step", "period")
+
+
+def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
+    """Give every parameter without state zero counters in a sharded optimizer's state dict.
+
+    ``torch.distributed.checkpoint``'s full-state ``set_optimizer_state_dict`` merges the checkpoint into the live
+    optimizer's own state dict and can only merge 0-dim entries the live dict already has; a fresh Gefen has no
+    state yet (it is created by the first real gradient), so these zero counters stand in for it. A loader reads
+    an entry of zero counters as "no state".
+    """
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if STEP not in optimizer.state.get(p, ()):
+                placeholder = {key: torch.zeros((), dtype=torch.int64) for key in PLACEHOLDER_KEYS}
+                if group.get("normuon"):
+                    placeholder["normuon_step"] = torch.zeros((), dtype=torch.int64)
+                state_dict["state"].setdefault(index, placeholder)
+            index += 1
 
 
 def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
