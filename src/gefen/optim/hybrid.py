@@ -204,9 +204,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         weight_decay, muon_weight_decay, backup_weight_decay: decoupled decay (the specific ones default to
             ``weight_decay``).
         betas, eps: the backup's Adam betas and eps (Muon keeps its own eps 1e-7).
-        momentum, nesterov, ns_steps, ns_schedule, adjust_lr_fn, normuon, normuon_beta2, normuon_eps: Muon
-            options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``, ``normuon=True``,
-            ``adjust_lr_fn="match_rms_adamw"``.
+        momentum, nesterov, ns_steps, ns_schedule, adjust_lr_fn, normuon, normuon_beta2, normuon_eps,
+            sharded_mode: Muon options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``,
+            ``normuon=True``, ``adjust_lr_fn="match_rms_adamw"``.
         backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
         fused, deterministic, capturable, nonfinite: forwarded to both children (see :class:`Gefen`); with an
             AdamW backup, ``deterministic``/``nonfinite`` are enforced on its gradients by the hybrid, and
@@ -241,6 +241,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         normuon: bool = True,
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
+        sharded_mode: str = "exact",
         backup_substrings: Sequence[str] = DEFAULT_BACKUP_SUBSTRINGS,
         fused: bool | None = None,
         deterministic: bool = False,
@@ -292,6 +293,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 normuon=normuon,
                 normuon_beta2=normuon_beta2,
                 normuon_eps=normuon_eps,
+                sharded_mode=sharded_mode,
                 **policies,
             )
         if backup:
