@@ -26,6 +26,7 @@ from gefen.errors import StepError
 
 __all__ = [
     "AmpControls",
+    "amp_controls_present",
     "SQUARE_SAFE_MAX",
     "usable_bound",
     "wants_native_amp",
@@ -53,6 +54,11 @@ class AmpControls:
 def wants_native_amp(grads: Iterable[Tensor | None]) -> bool:
     """Value of ``_step_supports_amp_scaling``: whether any present gradient is ``torch.float16``."""
     return any(g is not None and g.dtype == torch.float16 for g in grads)
+
+
+def amp_controls_present(owner: object) -> bool:
+    """Whether ``GradScaler.step`` left its controls (``found_inf`` / ``grad_scale``) on ``owner`` this step."""
+    return any(name in vars(owner) for name in ("found_inf", "grad_scale"))
 
 
 def read_amp_controls(owner: object, kind: str) -> AmpControls | None:

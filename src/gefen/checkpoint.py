@@ -390,7 +390,7 @@ def _stage_rows(
             )
         same = (
             tuple(value.shape) == full_shape
-            and tuple(value.placements) == tuple(value.placements)[:1]
+            and len(value.placements) == 1
             and type(value.placements[0]).__name__ == "Shard"
             and value.placements[0].dim == 0
             and mesh_key(value.device_mesh) == mesh_key(shard.mesh)

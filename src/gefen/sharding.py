@@ -195,17 +195,28 @@ def as_sharded(local_tensor: Tensor, shard: RowShard, global_shape: tuple[int, .
     )
 
 
+def _padded(local_rows: Tensor, shard: RowShard) -> Tensor:
+    """This rank's rows zero-padded to the ``ceil(R / world)`` rows every rank sends (collectives need equal
+    sizes; trailing shards may be shorter or empty)."""
+    padded = local_rows.new_zeros((-(-shard.rows // shard.world), *local_rows.shape[1:]))
+    padded[: local_rows.shape[0]] = local_rows
+    return padded
+
+
+def _unpadded(parts: list[Tensor], shard: RowShard) -> Tensor:
+    """The full tensor from every rank's padded rows (inverse of :func:`_padded` over the ranks)."""
+    return torch.cat([part[: stop - start] for part, (start, stop) in zip(parts, map(shard.chunk, range(shard.world)))])
+
+
 def gather_rows(local_rows: Tensor, shard: RowShard) -> Tensor:
     """All-gather the rows of every rank into the full ``(R,) + local_rows.shape[1:]`` tensor (collective: every
     rank of the mesh must call it, in the same order)."""
     import torch.distributed as dist
 
-    size = -(-shard.rows // shard.world)
-    padded = local_rows.new_zeros((size, *local_rows.shape[1:]))
-    padded[: local_rows.shape[0]] = local_rows
+    padded = _padded(local_rows, shard)
     parts = [torch.empty_like(padded) for _ in range(shard.world)]
-    dist.all_gather(parts, padded.contiguous(), group=shard.group)
-    return torch.cat([parts[r][: shard.chunk(r)[1] - shard.chunk(r)[0]] for r in range(shard.world)])
+    dist.all_gather(parts, padded, group=shard.group)
+    return _unpadded(parts, shard)
 
 
 def gather_rows_to(local_rows: Tensor, shard: RowShard, owner: int) -> Tensor | None:
@@ -213,16 +224,14 @@ def gather_rows_to(local_rows: Tensor, shard: RowShard, owner: int) -> Tensor | 
     ``None`` elsewhere."""
     import torch.distributed as dist
 
-    size = -(-shard.rows // shard.world)
-    padded = local_rows.new_zeros((size, *local_rows.shape[1:]))
-    padded[: local_rows.shape[0]] = local_rows
+    padded = _padded(local_rows, shard)
     dst = dist.get_global_rank(shard.group, owner)
     if shard.rank != owner:
-        dist.gather(padded.contiguous(), None, dst=dst, group=shard.group)
+        dist.gather(padded, None, dst=dst, group=shard.group)
         return None
     parts = [torch.empty_like(padded) for _ in range(shard.world)]
-    dist.gather(padded.contiguous(), parts, dst=dst, group=shard.group)
-    return torch.cat([parts[r][: shard.chunk(r)[1] - shard.chunk(r)[0]] for r in range(shard.world)])
+    dist.gather(padded, parts, dst=dst, group=shard.group)
+    return _unpadded(parts, shard)
 
 
 def scatter_rows_from(full: Tensor | None, like: Tensor, shard: RowShard, owner: int) -> Tensor:
@@ -230,18 +239,12 @@ def scatter_rows_from(full: Tensor | None, like: Tensor, shard: RowShard, owner:
     (collective). ``like`` gives the dtype, device and trailing shape. Returns this rank's rows."""
     import torch.distributed as dist
 
-    size = -(-shard.rows // shard.world)
-    out = like.new_empty((size, *like.shape[1:]))
+    out = _padded(like[:0], shard)
     src = dist.get_global_rank(shard.group, owner)
     parts = None
     if shard.rank == owner:
         assert full is not None
-        parts = []
-        for r in range(shard.world):
-            start, stop = shard.chunk(r)
-            part = full.new_zeros((size, *full.shape[1:]))
-            part[: stop - start] = full[start:stop]
-            parts.append(part)
+        parts = [_padded(full[start:stop], shard) for start, stop in map(shard.chunk, range(shard.world))]
     dist.scatter(out, parts, src=src, group=shard.group)
     return out[: shard.stop - shard.start]
 

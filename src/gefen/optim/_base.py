@@ -17,7 +17,15 @@ import torch
 from torch import Tensor
 
 from gefen.agreement import agree
-from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import (
+    amp_controls_present,
+    first_nonfinite,
+    nonfinite_error,
+    policy_name,
+    read_amp_controls,
+    unscale_grads_,
+    wants_native_amp,
+)
 from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
@@ -25,7 +33,7 @@ from gefen.hyperparams import check_flags, check_group
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
-__all__ = ["GefenOptimizer", "WorkItem"]
+__all__ = ["GefenOptimizer", "WorkItem", "iter_named_params"]
 
 
 #: Accepted ``nonfinite`` policies: ``"raise"`` refuses a step whose gradients hold NaN/Inf (one host sync per
@@ -65,6 +73,15 @@ def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> 
                     placeholder["normuon_step"] = torch.zeros((), dtype=torch.int64)
                 state_dict["state"].setdefault(index, placeholder)
             index += 1
+
+
+def iter_named_params(param_groups: list[dict[str, Any]]) -> Iterator[tuple[int, int, Tensor, str]]:
+    """``(group index, index in group, parameter, name)`` over param groups; names come from ``param_names``
+    where present, else ``param_groups[g][i]``."""
+    for g, group in enumerate(param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
 
 
 def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
@@ -241,6 +258,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         """
         existing = [p for g in self.param_groups for p in g["params"]]
         sharded_before = any(is_dtensor(p) for p in existing)
+        first = self._first_shard(existing)
         for i, tensor in enumerate(tensors):
             shard = row_shard(tensor, f"{where}['params'][{i}]")
             if existing and (shard is not None) != sharded_before:
@@ -254,8 +272,8 @@ class GefenOptimizer(torch.optim.Optimizer):
             sharded_before = shard is not None
             if shard is None:
                 continue
-            first = self._first_shard(existing)
-            if first is not None and mesh_key(first.mesh) != mesh_key(shard.mesh):
+            first = first or shard
+            if mesh_key(first.mesh) != mesh_key(shard.mesh):
                 raise ConfigError(
                     f"{where}['params'][{i}] is sharded on another DeviceMesh than this {self.kind}'s other "
                     "parameters; all sharded parameters of one optimizer must share one mesh."
@@ -305,10 +323,7 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step plumbing
     def _iter_params(self) -> Iterator[tuple[int, int, Tensor, str]]:
-        for g, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
+        return iter_named_params(self.param_groups)
 
     def _prepare(self) -> list[list[WorkItem]]:
         """Validate every group and gradient; returns the work per group. Writes nothing.
@@ -382,8 +397,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         try:
             loss = self._evaluate_closure(closure)
             plan = self._prepare()
-            controls = read_amp_controls(self, self.kind)
-            present = controls is not None
+            present = amp_controls_present(self)
             overflow = self._amp_skip(plan)
             if not overflow:
                 self._check_finite(plan)

@@ -19,12 +19,20 @@ import torch
 from torch import Tensor, nn
 
 from gefen.agreement import agree
-from gefen.amp import first_nonfinite, nonfinite_error, policy_name, read_amp_controls, unscale_grads_, wants_native_amp
+from gefen.amp import (
+    amp_controls_present,
+    first_nonfinite,
+    nonfinite_error,
+    policy_name,
+    read_amp_controls,
+    unscale_grads_,
+    wants_native_amp,
+)
 from gefen.checkpoint import check_hybrid_layout
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
-from gefen.optim._base import WorkItem, resolve_nonfinite
+from gefen.optim._base import WorkItem, iter_named_params, resolve_nonfinite
 from gefen.optim.gefen import Gefen, check_not_inference
 from gefen.optim.muon import GefenMuon
 
@@ -417,14 +425,12 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 loss, skip = self._preflight(closure)
             except Exception as exc:
                 failure = exc
-            names = {id(p): n for c in self._children() for _g, _i, p, n in _iter_named(c)}
+            names = {id(p): n for c in self._children() for _g, _i, p, n in iter_named_params(c.param_groups)}
             params = [p for g in self.param_groups for p in g["params"]]
             identity = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
             presence = [p.grad is not None for p in params]
-            controls_present = (
-                getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-            )
-            skip = agree("GefenMuonHybrid", "step", shard, failure, identity, presence, (controls_present, skip))
+            present = amp_controls_present(self)
+            skip = agree("GefenMuonHybrid", "step", shard, failure, identity, presence, (present, skip))
         if skip:
             return loss
         for child in self._children():
@@ -516,14 +522,6 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                     post_hook(child)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _iter_named(child: torch.optim.Optimizer) -> Any:
-    """``(g, i, param, name)`` of a child's parameters (names from ``param_names`` where present)."""
-    for g, group in enumerate(child.param_groups):
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
 
 
 def _check_torch_child_grads(child: torch.optim.Optimizer) -> list[WorkItem]:
