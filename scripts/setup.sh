@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[demo,test]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[demo,test,hf,gates]"
