@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a lent GPU machine (whose python3 already has torch with CUDA, pytest and
-# hypothesis): the whole test suite with the GPU visible, failing on any skipped CUDA test, then
+# hypothesis): the whole test suite with the GPU visible, failing on any skipped test (CUDA or not), then
 # benchmarks/step.py on CUDA with the ~125M-parameter GPT-shaped set. Logs and JSON go to $OUT (default
 # /tmp/gpu_check). Exits non-zero on any failure.
 set -uo pipefail
@@ -11,8 +11,11 @@ mkdir -p "$out"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
 python3 -m pytest -q -p no:cacheprovider -rs tests src/gefen 2>&1 | tee "$out/pytest.log" || status=1
-if grep -E "^SKIPPED" "$out/pytest.log" | grep -q "CUDA"; then
-  echo "gpu_check: CUDA tests were skipped on a GPU machine" >&2
+skipped=$(grep -E "^SKIPPED \[[0-9]+\]" "$out/pytest.log" | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{n += $1} END {print n + 0}')
+echo "gpu_check: $skipped skipped tests"
+if [ "$skipped" -ne 0 ] || grep -qE "^SKIPPED" "$out/pytest.log"; then
+  echo "gpu_check: every test must run on a GPU machine, but some were skipped:" >&2
+  grep -E "^SKIPPED" "$out/pytest.log" >&2
   status=1
 fi
 python3 benchmarks/step.py --device cuda --size 125m 2>&1 | tee "$out/step_cuda_125m.json" || status=1
