@@ -31,6 +31,7 @@ __all__ = [
     "OPTIMIZERS",
     "RECOMMENDED_LR_FACTORS",
     "GefenMuonHybridFactory",
+    "TrainerGefen",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",
 ]
@@ -130,9 +131,35 @@ def _dry_run(optimizer: str, kwargs: dict[str, Any], model: nn.Module | None) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if optimizer == "gefen":
-            Gefen(list(probe.parameters()), **kwargs)
+            TrainerGefen([{"params": list(probe.parameters())}, {"params": []}], **kwargs)
         else:
             GefenMuonHybrid(probe, **kwargs)
+
+
+class TrainerGefen(Gefen):
+    """:class:`gefen.Gefen` as ``Trainer`` builds it: the same optimizer, minus Trainer's empty param group.
+
+    ``Trainer`` always passes two param groups, the decayed parameters and the rest (biases, norm weights); one
+    is empty when every trainable parameter falls on one side (a model without biases or norms, or BitFit-style
+    tuning of biases only). ``torch.optim.AdamW`` keeps an empty group; Gefen refuses one, so this class drops
+    it. Everything else (arguments, errors, state, checkpoints, ``kind == "Gefen"``) is :class:`gefen.Gefen`'s,
+    and a checkpoint saved by one loads into the other.
+
+    Args:
+        params: what ``Trainer`` passes, a list of param-group dicts (anything else goes to Gefen unchanged).
+        **kwargs: :class:`gefen.Gefen` keyword arguments.
+
+    Raises:
+        ConfigError, TypeError: as :class:`gefen.Gefen` (e.g. no trainable parameter at all).
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        if isinstance(params, list) and any(isinstance(g, dict) for g in params):
+            kept = [
+                g for g in params if not (isinstance(g, dict) and isinstance(g.get("params"), list) and not g["params"])
+            ]
+            params = kept or params  # all empty: let Gefen say there is nothing to train
+        super().__init__(params, **kwargs)
 
 
 class GefenMuonHybridFactory:
@@ -186,11 +213,12 @@ def optimizer_cls_and_kwargs(
 
     Mapping from ``TrainingArguments`` (then ``overrides`` replace any of these):
 
-    * ``optimizer="gefen"`` returns ``(gefen.Gefen, {"lr": learning_rate, "betas": (adam_beta1, adam_beta2),
+    * ``optimizer="gefen"`` returns ``(TrainerGefen, {"lr": learning_rate, "betas": (adam_beta1, adam_beta2),
       "eps": adam_epsilon})``. Trainer passes its usual two param groups (weight decay
       ``TrainingArguments.weight_decay`` on the decayed group, 0.0 on biases and norm weights, exactly as for
-      AdamW), so ``weight_decay`` is set in ``TrainingArguments``, not in ``overrides``. Parameters carry no names
-      on this route (messages say ``param_groups[g][i]``).
+      AdamW; :class:`TrainerGefen` is :class:`gefen.Gefen` that drops the group when it is empty), so
+      ``weight_decay`` is set in ``TrainingArguments``, not in ``overrides``. Parameters carry no names on this
+      route (messages say ``param_groups[g][i]``).
     * ``optimizer="gefen-muon-hybrid"`` returns ``(GefenMuonHybridFactory, kwargs)``: Trainer calls the factory
       with its model, which builds ``GefenMuonHybrid(model, **kwargs)`` (routing needs the module; needs a
       transformers with the optimizer-factory protocol, 5.x). ``lr`` is Muon's lr and, by default, the backup's
@@ -218,7 +246,7 @@ def optimizer_cls_and_kwargs(
             mapped values; :func:`parse_optim_args` produces them from an ``optim_args`` string.
 
     Returns:
-        ``(cls, kwargs)``: ``gefen.Gefen`` or :class:`GefenMuonHybridFactory`, and a new dict of keyword
+        ``(cls, kwargs)``: :class:`TrainerGefen` or :class:`GefenMuonHybridFactory`, and a new dict of keyword
         arguments.
 
     Raises:
@@ -238,7 +266,7 @@ def optimizer_cls_and_kwargs(
         ...                          report_to=[], use_cpu=True)
         >>> cls, kwargs = optimizer_cls_and_kwargs(args, **parse_optim_args(args.optim_args))
         >>> cls.__name__, kwargs["lr"], kwargs["betas"], kwargs["fused"]
-        ('Gefen', 0.0003, (0.9, 0.95), False)
+        ('TrainerGefen', 0.0003, (0.9, 0.95), False)
     """
     _constructor(optimizer)
     if not isinstance(recommended_lr, bool):
@@ -262,7 +290,7 @@ def optimizer_cls_and_kwargs(
     if optimizer == "gefen":
         kwargs.update(overrides)
         _dry_run(optimizer, kwargs, None)
-        return Gefen, kwargs
+        return TrainerGefen, kwargs
     kwargs["weight_decay"] = args["weight_decay"]
     kwargs["backup_weight_decay"] = 0.0
     kwargs.update(overrides)
