@@ -247,7 +247,7 @@ def optimizer_cls_and_kwargs(
 
     Returns:
         ``(cls, kwargs)``: :class:`TrainerGefen` or :class:`GefenMuonHybridFactory`, and a new dict of keyword
-        arguments.
+        arguments (for the hybrid with ``model=``, it also holds ``expected_model``, read by the factory).
 
     Raises:
         ValueError: an unknown ``optimizer`` (the choices listed); ``weight_decay`` among the overrides for
@@ -451,6 +451,7 @@ def parse_optim_args(text: str | None, optimizer: str = "gefen") -> dict[str, An
         >>> parse_optim_args("fused=False, deterministic=yes, betas=(0.9,0.95), nonfinite=none")
         {'fused': False, 'deterministic': True, 'betas': (0.9, 0.95), 'nonfinite': None}
     """
+    _constructor(optimizer)
     options = _options(optimizer)
     if text is None:
         return {}
