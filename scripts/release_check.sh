@@ -99,7 +99,7 @@ venv=$work/venv
 
 run=$work/run  # the test copy: no src/ here, so `import gefen` can only find site-packages
 mkdir -p "$run/scripts"
-cp -R "$tree/tests" "$tree/examples" "$tree/conftest.py" "$tree/pyproject.toml" "$tree/CHANGELOG.md" "$run/" &&
+cp -R "$tree/tests" "$tree/examples" "$tree/benchmarks" "$tree/docs" "$tree/README.md" "$tree/conftest.py" "$tree/pyproject.toml" "$tree/CHANGELOG.md" "$run/" &&
   cp "$tools" "$run/scripts/" || finish FAIL "could not copy the tests out of the clean tree"
 
 step "version single-sourcing"
