@@ -86,7 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         the ``demo`` parser; ``args.func`` is set to :func:`run`.
     """
-    from gefen.cli._model import MODEL_SIZES
+    from gefen.cli._args import add_model_and_data_arguments
     from gefen.cli._optimizers import OPTIMIZERS
 
     names = ", ".join(f"{name} (lr {spec.lr:g})" for name, spec in OPTIMIZERS.items())
@@ -114,20 +114,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="override one optimizer's peak lr (repeatable), e.g. --lr adamw=2e-3",
     )
     add("--steps", type=int, default=200, help="training steps per optimizer (default: %(default)s)")
-    add("--batch-size", type=int, default=16, help="sequences per batch (default: %(default)s)")
-    add(
-        "--seq-len",
-        type=int,
-        default=128,
-        help="bytes per training sequence, also the model context (default: %(default)s)",
-    )
-    add(
-        "--model-size",
-        choices=sorted(MODEL_SIZES),
-        default="small",
-        help="tiny ≈ 0.9M params, small ≈ 3.3M params (default: %(default)s)",
-    )
-    add("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: %(default)s)")
+    add_model_and_data_arguments(parser)
     add(
         "--threads",
         type=int,
@@ -135,12 +122,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="torch threads in each training process (default: all usable cores, %(default)s)",
     )
     add("--eval-every", type=int, default=25, help="evaluate every this many steps (default: %(default)s)")
-    add(
-        "--data",
-        default=None,
-        metavar="PATH",
-        help="text file or directory of text files (default: the Python stdlib .py files)",
-    )
     add("--json", default=None, metavar="PATH", help="write the results as JSON here")
     add(
         "--plot",

@@ -73,7 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         the ``find-lr`` parser; ``args.func`` is set to :func:`run`.
     """
-    from gefen.cli._model import MODEL_SIZES
+    from gefen.cli._args import add_model_and_data_arguments
     from gefen.cli._optimizers import OPTIMIZERS
     from gefen.lr_finder import RULE
 
@@ -113,22 +113,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="also run adamw on the same weights and batches and print the ratio of the recommendations",
     )
-    add(
-        "--model-size",
-        choices=sorted(MODEL_SIZES),
-        default="small",
-        help="tiny ≈ 0.9M params, small ≈ 3.3M params (default: %(default)s)",
-    )
-    add("--batch-size", type=int, default=16, help="sequences per batch (default: %(default)s)")
-    add("--seq-len", type=int, default=128, help="bytes per sequence, also the model context (default: %(default)s)")
-    add("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: %(default)s)")
+    add_model_and_data_arguments(parser)
     add("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
-    add(
-        "--data",
-        default=None,
-        metavar="PATH",
-        help="text file or directory of text files (default: the Python stdlib .py files)",
-    )
     add("--rows", type=int, default=_DEFAULT_ROWS, help="rows of the printed lr table (default: %(default)s)")
     add("--json", default=None, metavar="PATH", help="write the curves and recommendations as JSON here")
     add(
