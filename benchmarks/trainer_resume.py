@@ -31,7 +31,8 @@ Output (stdout): one JSON object per configuration, one per line::
 
     {"name", "optimizer", "steps", "split_step", "train_layers", "trainable_params", "lr",
      "digests": {"a": {"model", "optimizer", "scheduler"}, "b": {...}},
-     "match": {"model", "optimizer", "scheduler", "log_history", "checkpoint_files", "global_steps"},
+     "match": {"model", "optimizer", "scheduler", "log_history", "checkpoint_files", "global_steps",
+               "resumed_steps"},
      "passed", "eval_accuracy_before", "eval_accuracy_after", "adamw_eval_accuracy_after", "eval_examples",
      "wall_s", "adamw_wall_s"}
 
@@ -338,12 +339,37 @@ class _StopAt:
         return StopAtStep()
 
 
-def _trainer(spec: RunSpec, output_dir: str, save: bool, stop_at: int | None = None) -> Any:
-    """A Trainer on a freshly loaded model; Gefen configurations go through ``optimizer_cls_and_kwargs``."""
+class _StepCounter:
+    """A ``TrainerCallback`` (built lazily) counting the optimizer steps this process ran, in ``.steps``."""
+
+    @staticmethod
+    def make() -> Any:
+        from transformers import TrainerCallback
+
+        class CountSteps(TrainerCallback):
+            steps = 0
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+                self.steps += 1
+                return control
+
+        return CountSteps()
+
+
+def _steps_run(trainer: Any) -> int:
+    """Optimizer steps run by ``trainer`` in this process (its :class:`_StepCounter`)."""
+    return next(c.steps for c in trainer.callback_handler.callbacks if type(c).__name__ == "CountSteps")
+
+
+def _trainer(
+    spec: RunSpec, output_dir: str, save: bool, stop_at: int | None = None, head_seed: int | None = None
+) -> Any:
+    """A Trainer on a freshly loaded model (its head initialised from ``head_seed``, default ``spec.seed``);
+    Gefen configurations go through ``optimizer_cls_and_kwargs``."""
     from transformers import PrinterCallback, Trainer
 
     dataset = Dataset.from_json(spec.dataset_path)
-    model = load_model(len(dataset.labels), spec.seed, spec.train_layers)
+    model = load_model(len(dataset.labels), spec.seed if head_seed is None else head_seed, spec.train_layers)
     args = _training_args(spec, output_dir, save)
     kwargs: dict[str, Any] = {}
     if spec.config != "adamw":
@@ -359,7 +385,7 @@ def _trainer(spec: RunSpec, output_dir: str, save: bool, stop_at: int | None = N
         args=args,
         train_dataset=_tokenize(dataset, "train", spec.max_length),
         data_collator=_collator(),
-        callbacks=[_StopAt.make(stop_at)] if stop_at is not None else None,
+        callbacks=[_StopAt.make(stop_at), _StepCounter.make()] if stop_at is not None else [_StepCounter.make()],
         **kwargs,
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log to stdout, which carries only the results
@@ -455,12 +481,20 @@ def run_staged(spec: RunSpec, output_dir: Path) -> dict[str, Any]:
 
 def resume_worker(spec_path: str, checkpoint: str, result_path: str) -> None:
     """The new process of run B: rebuild model and Trainer, resume from ``checkpoint`` to step N, write the
-    digests, per-step log and global step as JSON to ``result_path``. (It saves no checkpoint of its own: the
-    last one would only cost time.)"""
+    digests, per-step log, global step and the number of steps this process ran as JSON to ``result_path``. (It
+    saves no checkpoint of its own: the last one would only cost time.)
+
+    Its classification head is initialised from another seed than run A's, so a resume that did not load the
+    checkpoint's weights (or a run restarted from step 0) cannot match run A's digests by accident."""
     spec = RunSpec(**json.loads(Path(spec_path).read_text(encoding="utf-8")))
-    trainer = _trainer(spec, str(Path(checkpoint).parent), save=False)
+    trainer = _trainer(spec, str(Path(checkpoint).parent), save=False, head_seed=spec.seed + 1)
     trainer.train(resume_from_checkpoint=checkpoint)
-    result = {"digests": state_digests(trainer), "log": _step_log(trainer), "global_step": trainer.state.global_step}
+    result = {
+        "digests": state_digests(trainer),
+        "log": _step_log(trainer),
+        "global_step": trainer.state.global_step,
+        "steps_run": _steps_run(trainer),
+    }
     Path(result_path).write_text(json.dumps(result), encoding="utf-8")
 
 
@@ -522,6 +556,7 @@ def run_config(
         spec.split_step,
         spec.steps,
     )
+    match["resumed_steps"] = b.get("steps_run") == spec.steps - spec.split_step  # B's second process resumed
     record.update(
         optimizer=a["optimizer"],
         trainable_params=a["trainable_params"],

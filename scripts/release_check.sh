@@ -64,7 +64,10 @@ for n in 1 2; do
   dist=$work/dist$n
   mkdir -p "$tree" "$dist"
   git archive --format=tar "$commit" | tar -x -C "$tree" || finish FAIL "git archive of $commit failed"
-  (cd "$tree" && "$build_py" -m build --outdir "$dist" .) >"$logs/build$n.log" 2>&1 ||
+  # The isolated build environment gets the backend pinned by build-constraints.txt, so both builds (and builds
+  # on other days) use the same setuptools and wheel.
+  (cd "$tree" && PIP_CONSTRAINT="$tree/build-constraints.txt" "$build_py" -m build --outdir "$dist" .) \
+    >"$logs/build$n.log" 2>&1 ||
     { show_tail "$logs/build$n.log"; finish FAIL "build $n failed (log: $logs/build$n.log)"; }
   wheels=("$dist"/*.whl)
   sdists=("$dist"/*.tar.gz)
@@ -147,6 +150,7 @@ else
 fi
 in_run env RELEASE_AUDIT_JSON="$work/audit.json" PYTHONPATH="$run/scripts" \
   "$venv/bin/python" -m pytest -p release_tools -p no:cacheprovider -rs "${pytest_args[@]}" 2>&1 | tee "$logs/pytest.log"
+pytest_rc=${PIPESTATUS[0]}
 [ -f "$work/audit.json" ] || finish FAIL "pytest wrote no audit (log: $logs/pytest.log)"
 tests=$("$build_py" "$tools" audit "$work/audit.json" --forbid "$root/src" --forbid "$work/tree1" \
   --forbid "$work/tree2" --forbid "$run" "${require[@]}" 2>"$logs/audit.txt")
@@ -154,6 +158,7 @@ audit_ok=$?
 echo "release_check: tests: ${tests:-no summary}"
 cat "$logs/audit.txt"
 [ $audit_ok -eq 0 ] || finish FAIL "tests: ${tests:-no summary}: $(head -n 1 "$logs/audit.txt")"
+[ "$pytest_rc" -eq 0 ] || finish FAIL "tests: pytest exited with status $pytest_rc after its summary (log: $logs/pytest.log)"
 
 result="wheel=${sha[wheel1]} sdist=${sha[sdist1]} version=$expected tests=$tests"
 [ -n "$subset" ] && finish PASS "(subset run, not a release gate) $result"

@@ -15,8 +15,10 @@ The test (L. N. Smith, "Cyclical Learning Rates for Training Neural Networks", 2
 * the smoothed loss is the bias-corrected exponential moving average
   ``avg_i = smoothing · avg_{i-1} + (1 - smoothing) · loss_i`` (``avg_{-1} = 0``),
   ``smoothed_i = avg_i / (1 - smoothing ** (i + 1))`` (so ``smoothed_0 = loss_0``);
-* the ramp stops early when ``smoothed_i > diverge_factor · min(smoothed_0 .. smoothed_i)`` (that point is
-  kept) or when ``loss_i`` is NaN or infinite (that point is dropped and no update is made).
+* the ramp stops early when, with ``best_i = min(smoothed_0 .. smoothed_i)``,
+  ``smoothed_i - best_i > (diverge_factor - 1) · |best_i|`` (for positive losses: ``smoothed_i > diverge_factor ·
+  best_i``; the absolute value keeps the test meaningful for losses that go negative) (that point is kept), or
+  when ``loss_i`` is NaN or infinite (that point is dropped and no update is made).
 
 Recommendation (:data:`RULE`): the lr at the steepest descent of the smoothed loss against ``log(lr)``,
 searched from the start of the ramp up to the lr of the smoothed loss's minimum. The evidence for this rule
@@ -368,7 +370,8 @@ def find_lr(
         steps: updates in the ramp (one batch each), an int >= 5.
         smoothing: EMA coefficient of the smoothed loss, in ``[0, 1)`` (0: no smoothing). Its lag is about
             ``smoothing / (1 - smoothing)`` steps, so keep it well below ``steps``.
-        diverge_factor: stop once the smoothed loss exceeds this multiple of its minimum so far; finite, > 1.
+        diverge_factor: stop once the smoothed loss rises above its minimum so far by more than
+            ``(diverge_factor - 1) · |minimum|`` (this multiple of the minimum for positive losses); finite, > 1.
         max_grad_norm: clip the global gradient L2 norm to this before every update
             (``torch.nn.utils.clip_grad_norm_``); ``None`` for no clipping.
         progress: called after each recorded step as ``progress(step, lr, loss)`` (e.g. to advance a bar).
@@ -435,7 +438,7 @@ def find_lr(
             smoothed.append(current)
             if progress is not None:
                 progress(step, lr, value)
-            if current > diverge_factor * best:
+            if current - best > (diverge_factor - 1.0) * abs(best):
                 stop_reason, stopped_at_lr = "diverged", lr
                 break
         else:

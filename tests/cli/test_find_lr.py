@@ -163,6 +163,35 @@ def test_early_stop_when_the_loss_diverges() -> None:
     assert all(loss <= 4.0 * min(result.smoothed_losses[: i + 1]) for i, loss in enumerate(result.smoothed_losses[:-1]))
 
 
+def test_a_loss_shifted_below_zero_stops_where_the_positive_one_does() -> None:
+    """The divergence test compares the rise above the minimum with ``(factor - 1) * |minimum|``: a loss that
+    goes negative must not count as diverged at its first point. MSE - c and MSE share every update (same
+    gradients); with factor 4 the shifted ramp stops where the rise above its minimum exceeds 3 |minimum|."""
+    model, x, y = _least_squares()
+    shift = 100.0
+    shifted = find_lr(
+        model,
+        _sgd,
+        [(x, y)] * 60,
+        lambda m, b: _mse(m, b) - shift,
+        lr_min=1e-4,
+        lr_max=10.0,
+        steps=60,
+        smoothing=0.0,
+        diverge_factor=4.0,
+    )
+    plain = _run_least_squares(steps=60, diverge_factor=1e300)  # same ramp, not stopped before n
+    assert shifted.stop_reason == "diverged" and len(shifted.lrs) > 1
+    n = len(shifted.lrs)
+    assert len(plain.lrs) >= n
+    assert shifted.lrs == plain.lrs[:n]
+    expected = [loss - shift for loss in plain.losses[:n]]
+    assert shifted.losses == pytest.approx(expected, rel=0, abs=1e-9)
+    best = [min(expected[: i + 1]) for i in range(n)]
+    assert expected[-1] - best[-1] > 3.0 * abs(best[-1])  # the stopping point satisfies the rule...
+    assert all(e - b <= 3.0 * abs(b) for e, b in zip(expected[:-1], best[:-1]))  # ...and no earlier one does
+
+
 def test_no_early_stop_below_the_stability_limit() -> None:
     result = _run_least_squares(lr_min=1e-4, lr_max=1.9 / _LAM, steps=40, diverge_factor=1.01)
     assert result.stop_reason == "completed" and len(result.lrs) == 40

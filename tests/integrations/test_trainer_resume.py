@@ -176,13 +176,59 @@ def test_gate_resumes_every_configuration_bit_identically(tmp_path):
     # Different optimizers leave different state, so the digests compare something real.
     assert len({r["digests"]["a"]["optimizer"] for r in records}) == 3
     assert len({r["digests"]["a"]["model"] for r in records}) == 3
-    assert len({r["eval_accuracy_before"] for r in records}) == 1  # one pretrained model, one seeded head
     document = json.loads(report.read_text())
     assert (document["passed"], document["failed"]) == (3, 0) and document["configs"] == records
     assert not any((tmp_path / "work").glob("*-a/checkpoint-*"))  # run A never saves
     for name in ("gefen", "hybrid-gefen", "hybrid-adamw"):
         checkpoint = tmp_path / "work" / f"{name}-b" / "checkpoint-2"
         assert all((checkpoint / f).is_file() for f in gate.CHECKPOINT_FILES), name
+
+
+def _fake_runs(monkeypatch, resumed: dict) -> None:
+    """Replace the gate's training with canned results: run A and the staged run as a correct gate would see
+    them, and ``resumed`` as the resume process's result."""
+    digests = {"model": "m" * 64, "optimizer": "o" * 64, "scheduler": "s" * 64}
+    run_a = {"digests": digests, "log": [[1, 1.0, 0.5, 1e-4], [2, 0.9, 0.4, 5e-5]], "global_step": 2}
+    run_a |= {"accuracy": 0.5, "trainable_params": 10, "optimizer": "TrainerGefen", "wall_s": 1.0}
+
+    def uninterrupted(spec, workdir, eval_set, eval_before=False):
+        return run_a | ({"accuracy_before": 0.25} if eval_before else {})
+
+    monkeypatch.setattr(gate, "build_dataset", lambda seed: docstrings.Dataset(("a", "b"), (), ()))
+    monkeypatch.setattr(docstrings.Dataset, "to_json", lambda self, path: None)
+    monkeypatch.setattr(gate, "_tokenize", lambda dataset, split, max_length: [{}] * 4)
+    monkeypatch.setattr(gate, "run_uninterrupted", uninterrupted)
+    monkeypatch.setattr(gate, "run_staged", lambda spec, out: {"checkpoint": "c", "global_step": 1, "missing": []})
+    monkeypatch.setattr(gate, "_resume_in_new_process", lambda spec, checkpoint, workdir: resumed)
+
+
+@pytest.mark.parametrize(
+    "change, failed_check",
+    [
+        ({}, None),
+        ({"digests": {"model": "m" * 64, "optimizer": "x" * 64, "scheduler": "s" * 64}}, "optimizer"),
+        ({"log": [[1, 1.0, 0.5, 1e-4], [2, 0.9, 0.41, 5e-5]]}, "log_history"),
+        ({"steps_run": 2}, "resumed_steps"),  # B's second process trained from step 0: no resume happened
+        ({"global_step": 3}, "global_steps"),
+    ],
+)
+def test_gate_reports_every_mismatch_and_exits_1(monkeypatch, capsys, tmp_path, change, failed_check):
+    resumed = {
+        "digests": {"model": "m" * 64, "optimizer": "o" * 64, "scheduler": "s" * 64},
+        "log": [[1, 1.0, 0.5, 1e-4], [2, 0.9, 0.4, 5e-5]],
+        "global_step": 2,
+        "steps_run": 1,
+    } | change
+    _fake_runs(monkeypatch, resumed)
+    status = gate.main(["--steps", "2", "--configs", "gefen", "--workdir", str(tmp_path / "w")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[0])
+    if failed_check is None:
+        assert status == 0 and lines[-1] == "1 passed, 0 failed" and record["passed"] is True
+        assert all(record["match"].values())
+    else:
+        assert status == 1 and lines[-1] == "0 passed, 1 failed" and record["passed"] is False
+        assert [k for k, ok in record["match"].items() if not ok] == [failed_check]
 
 
 def test_gate_refuses_bad_arguments(capsys):
