@@ -120,7 +120,14 @@ def _fixture_optimizer(kind: str, model: torch.nn.Module, deterministic: bool) -
 def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, deterministic):
     """``tests/fixtures/v1_*.pt`` were written by the schema-1 code (``scripts/make_v1_fixtures.py``), together
     with the parameters that code produced on the next step; an untagged v1 checkpoint loads under either live
-    policy and the next step matches the v1 code's bit for bit."""
+    policy and the next step matches the v1 code's.
+
+    "Matches" is up to float32 rounding, not bit for bit: the stored continuation comes from the machine that wrote
+    the fixture, and vectorised sums (the factored second moment's row/column sums, torch's AdamW kernels) round
+    differently on CPUs with other SIMD widths (measured: 1-34 elements of a tensor differ by <= 1.5e-8 on an
+    AVX-512 machine against a fixture written elsewhere). A migration fault (a lost first moment, a wrong
+    counter, a codebook left behind) changes the step by the size of the update itself, 1e-2 here; the bound
+    below is 1e-5 of that."""
     fixture = torch.load(FIXTURES / f"v1_{kind}.pt", weights_only=True)
     saved = fixture["optimizer"]
     halves = [saved["muon"], saved["backup"]] if kind.startswith("hybrid") else [saved]
@@ -134,8 +141,17 @@ def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, determi
     for name, p in model.named_parameters():
         p.grad = fixture["grads"][name].clone()
     opt.step()
+    moved = 0
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), fixture["expected_after"][name]), name
+        expected, before = fixture["expected_after"][name], fixture["params"][name]
+        update = float((expected - before).abs().max())
+        if update == 0.0:  # not in this optimizer (GefenMuon's fixture steps one matrix): untouched, exactly
+            assert torch.equal(p.detach(), before), name
+            continue
+        moved += 1
+        assert update > 1e-3, name  # a real step, so the bound below is a real test
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5 * update, msg=name)
+    assert moved >= 1
     resaved = opt.state_dict()
     for half in [resaved["muon"], resaved["backup"]] if kind.startswith("hybrid") else [resaved]:
         if half is not None and "gefen" in half:
