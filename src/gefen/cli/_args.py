@@ -1,14 +1,18 @@
-"""Command-line arguments shared by ``gefen demo`` and ``gefen find-lr``: the demo model and its batches.
-
-Both commands train the same byte-level transformer (``_model.py``) on the same corpus and batches
-(``_data.py``), so the flags that choose them are defined once here.
+"""Command-line pieces shared by the ``gefen`` commands: the demo model and data flags (``gefen demo`` and
+``gefen find-lr`` train the same byte-level transformer on the same corpus and batches), and the checks of output
+paths and of the optional ``demo`` extra (matplotlib, tqdm) that every command runs before any work.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+from pathlib import Path
 
-__all__ = ["add_model_and_data_arguments"]
+__all__ = ["PIP_HINT", "add_model_and_data_arguments", "output_problem"]
+
+#: How to install the optional packages of plots and progress bars (named in help texts and errors).
+PIP_HINT = "pip install 'gefen[demo]'"
 
 
 def add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,3 +43,27 @@ def add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="text file or directory of text files (default: the Python stdlib .py files)",
     )
+
+
+def output_problem(command: str, outputs: dict[str, str | None], plot: str | None, progress: bool) -> str | None:
+    """The first reason a command cannot write its outputs or show its progress, or ``None``.
+
+    Args:
+        command: the command's name for messages (``"gefen demo"``).
+        outputs: flag -> path (``None``: not asked) of every file the command will write (``--plot`` included);
+            each path's folder must exist.
+        plot: the ``--plot`` path or ``None``; a plot needs matplotlib.
+        progress: whether the command shows a tqdm progress bar (tqdm must be installed).
+
+    Returns:
+        One sentence naming the flag or package and the fix, or ``None`` when everything is usable.
+    """
+    for flag, path in outputs.items():
+        folder = Path(path).resolve().parent if path is not None else None
+        if folder is not None and not folder.is_dir():
+            return f"{flag} {path!r}: folder {str(folder)!r} does not exist; create it first."
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        return f"--plot needs matplotlib, which is not installed; run: {PIP_HINT}"
+    if progress and importlib.util.find_spec("tqdm") is None:
+        return f"{command} shows progress with tqdm, which is not installed; run: {PIP_HINT}"
+    return None

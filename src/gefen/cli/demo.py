@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -53,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gefen.cli._args import PIP_HINT, add_model_and_data_arguments, output_problem
+
 __all__ = ["add_parser", "run"]
 
 #: Windows in the fixed eval set (each ``seq_len + 1`` bytes): 64 × 128 ≈ 8 K bytes at the defaults.
@@ -61,7 +62,6 @@ _EVAL_CHUNK = 32
 _CLIP_NORM = 1.0
 _MIN_LR_RATIO = 0.1
 _DEFAULT_OPTIMIZERS = "adamw,gefen"
-_PIP_HINT = "pip install 'gefen[demo]'"
 #: ``[step, loss]`` pairs as ``json.dumps(indent=1)`` spreads them over four lines; folded back onto one.
 _CURVE_POINT = re.compile(r"\[\s+(\d+),\s+([^\s\[\]]+)\s+\]")
 
@@ -86,7 +86,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         the ``demo`` parser; ``args.func`` is set to :func:`run`.
     """
-    from gefen.cli._args import add_model_and_data_arguments
     from gefen.cli._optimizers import OPTIMIZERS
 
     names = ", ".join(f"{name} (lr {spec.lr:g})" for name, spec in OPTIMIZERS.items())
@@ -127,7 +126,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PATH",
-        help=f"write a PNG of eval and train loss against step here (needs {_PIP_HINT})",
+        help=f"write a PNG of eval and train loss against step here (needs {PIP_HINT})",
     )
     parser.set_defaults(func=run)
     return parser
@@ -200,14 +199,9 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in counts:
         if value < 1:
             raise _UsageError(f"{flag}={value} must be >= 1.")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = Path(path).resolve().parent if path is not None else None
-        if folder is not None and not folder.is_dir():
-            raise _UsageError(f"{flag} {path!r}: folder {str(folder)!r} does not exist; create it first.")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise _UsageError(f"--plot needs matplotlib, which is not installed; run: {_PIP_HINT}")
-    if importlib.util.find_spec("tqdm") is None:
-        raise _UsageError(f"gefen demo shows progress with tqdm, which is not installed; run: {_PIP_HINT}")
+    problem = output_problem("gefen demo", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
+    if problem is not None:
+        raise _UsageError(problem)
 
 
 def _lr_multiplier(step: int, total_steps: int) -> float:
@@ -409,7 +403,7 @@ def _write_plot(path: str, results: dict[str, dict[str, Any]], title: str) -> No
     try:
         import matplotlib
     except ImportError:
-        raise _UsageError(f"--plot needs matplotlib, which is not installed; run: {_PIP_HINT}") from None
+        raise _UsageError(f"--plot needs matplotlib, which is not installed; run: {PIP_HINT}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

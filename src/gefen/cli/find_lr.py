@@ -26,7 +26,6 @@ is printed; JSON and plot are still written); 2 for a usage error; 130 on Ctrl-C
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -34,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gefen.cli._args import PIP_HINT, add_model_and_data_arguments, output_problem
+
 __all__ = ["add_parser", "run"]
 
 _CLIP_NORM = 1.0
-_PIP_HINT = "pip install 'gefen[demo]'"
 _DEFAULT_ROWS = 16
 #: Demo entries the ramp cannot test, and why.
 _UNSUPPORTED = {
@@ -73,7 +73,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         the ``find-lr`` parser; ``args.func`` is set to :func:`run`.
     """
-    from gefen.cli._args import add_model_and_data_arguments
     from gefen.cli._optimizers import OPTIMIZERS
     from gefen.lr_finder import RULE
 
@@ -121,7 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PATH",
-        help=f"write a PNG of loss against lr (log axis) here (needs {_PIP_HINT})",
+        help=f"write a PNG of loss against lr (log axis) here (needs {PIP_HINT})",
     )
     parser.set_defaults(func=run)
     return parser
@@ -147,14 +146,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _UsageError(f"--diverge-factor={args.diverge_factor:g} must be a finite number > 1, e.g. 4.")
     if args.compare_adamw and args.optimizer == "adamw":
         raise _UsageError("--compare-adamw with --optimizer adamw compares AdamW with itself; pick another optimizer.")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = Path(path).resolve().parent if path is not None else None
-        if folder is not None and not folder.is_dir():
-            raise _UsageError(f"{flag} {path!r}: folder {str(folder)!r} does not exist; create it first.")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise _UsageError(f"--plot needs matplotlib, which is not installed; run: {_PIP_HINT}")
-    if importlib.util.find_spec("tqdm") is None:
-        raise _UsageError(f"gefen find-lr shows progress with tqdm, which is not installed; run: {_PIP_HINT}")
+    problem = output_problem("gefen find-lr", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
+    if problem is not None:
+        raise _UsageError(problem)
 
 
 def run(args: argparse.Namespace) -> int:

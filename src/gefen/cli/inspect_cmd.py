@@ -21,20 +21,19 @@ Exit codes: 0 when it would load; 1 when any problem was found (``REFUSED: N pro
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from gefen.checkpoint import SCHEMA_VERSION
+from gefen.cli._args import PIP_HINT, output_problem
 from gefen.inspect import CheckpointReport, HalfReport, inspect_state_dict
 
 __all__ = ["add_parser", "run", "report_json", "report_text", "TRAINER_OPTIMIZER_FILE"]
 
 #: File name of the optimizer state inside a Hugging Face Trainer checkpoint folder.
 TRAINER_OPTIMIZER_FILE = "optimizer.pt"
-_PIP_HINT = "pip install 'gefen[demo]'"
 
 
 class _UsageError(Exception):
@@ -72,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PNG",
-        help=f"write a PNG of the 256 codebook values and their spacing here (needs {_PIP_HINT})",
+        help=f"write a PNG of the 256 codebook values and their spacing here (needs {PIP_HINT})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.set_defaults(func=run)
@@ -100,13 +99,9 @@ def _resolve(path_text: str) -> Path:
 
 
 def _check_plot(path_text: str | None) -> None:
-    if path_text is None:
-        return
-    folder = Path(path_text).resolve().parent
-    if not folder.is_dir():
-        raise _UsageError(f"--plot {path_text!r}: folder {str(folder)!r} does not exist; create it first.")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise _UsageError(f"--plot needs matplotlib, which is not installed; run: {_PIP_HINT}")
+    problem = output_problem("gefen inspect", {"--plot": path_text}, path_text, progress=False)
+    if problem is not None:
+        raise _UsageError(problem)
 
 
 def _load(path: Path) -> CheckpointReport:
