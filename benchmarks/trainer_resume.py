@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import os
 import subprocess
@@ -67,6 +66,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from gefen.digest import state_digest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_docstrings import Dataset, build_dataset  # noqa: E402
@@ -158,58 +159,10 @@ def log(message: str) -> None:
 # ------------------------------------------------------------------------------------------------------ digest
 
 
-def _feed(h: Any, obj: object) -> None:
-    """Feed ``obj`` into hash ``h`` with a type tag for every value, so equal digests mean equal structures."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        h.update(f"T{t.dtype}{tuple(t.shape)}:{len(data)}:".encode())
-        h.update(data)
-    elif isinstance(obj, dict):
-        items = sorted((_encoded(k), v) for k, v in obj.items())
-        h.update(f"D{len(items)}:".encode())
-        for key, value in items:
-            h.update(key)
-            _feed(h, value)
-    elif isinstance(obj, (list, tuple)):
-        h.update(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)}:".encode())
-        for item in obj:
-            _feed(h, item)
-    elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        text = obj.hex() if isinstance(obj, float) else repr(obj)  # float.hex: every bit, NaN/inf included
-        h.update(f"S{type(obj).__name__}:{len(text)}:{text}".encode())
-    elif isinstance(obj, torch.dtype):
-        h.update(f"P{obj}".encode())
-    else:
-        raise TypeError(f"digest() cannot hash a {type(obj).__name__}: {obj!r}")
-
-
-def _encoded(key: object) -> bytes:
-    """A dict key's canonical bytes (their order is the sort order)."""
-    h = hashlib.sha256()
-    _feed(h, key)
-    return h.digest()
-
-
 def digest(obj: object) -> str:
-    """Canonical SHA-256 of a nested state (``state_dict()`` of a model, optimizer or scheduler).
-
-    Dicts are hashed with their keys sorted (key order never matters), tensors by dtype, shape and raw bytes
-    (any bit change does), lists and tuples in order and told apart, scalars (``None``, bool, int, float by its
-    exact bits, str, bytes, ``torch.dtype``) with their type.
-
-    Args:
-        obj: nested dicts/lists/tuples of tensors and scalars.
-
-    Returns:
-        64 hex characters.
-
-    Raises:
-        TypeError: a value of another type (e.g. a function) anywhere in ``obj``.
-    """
-    h = hashlib.sha256()
-    _feed(h, obj)
-    return h.hexdigest()
+    """Canonical SHA-256 of a nested state: :func:`gefen.digest.state_digest` (keys sorted, tensors by dtype,
+    shape and bytes, scalars with their type; ``TypeError`` for anything else)."""
+    return state_digest(obj)
 
 
 # ------------------------------------------------------------------------------------------------- model, data

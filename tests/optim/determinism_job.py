@@ -3,31 +3,17 @@ processes by ``test_hardening.py``. Run as ``python -m tests.optim.determinism_j
 
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import torch
 
 import gefen
+from gefen.digest import state_digest
 
 
-def digest(obj: object, h: hashlib._Hash | None = None) -> str:
-    """SHA-256 over tensors (dtype, shape, bytes), dicts (sorted keys), sequences and reprs of the rest."""
-    h = h or hashlib.sha256()
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{t.dtype}{tuple(obj.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            h.update(str(key).encode())
-            digest(obj[key], h)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            digest(item, h)
-    else:
-        h.update(repr(obj).encode())
-    return h.hexdigest()
+def digest(obj: object) -> str:
+    """SHA-256 of a nested state: :func:`gefen.digest.state_digest`."""
+    return state_digest(obj)
 
 
 def model() -> torch.nn.Module:
