@@ -182,7 +182,7 @@ def check_group(
     group: Mapping[str, Any], where: str, error: type[Exception] = ConfigError, host_values: bool = True
 ) -> None:
     """Validate the Adam-family hyperparameters of one param group (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``factored_v_2d``, ``fused``) that are present in ``group``.
+    ``weight_decay``, ``factored_v_2d``, ``fused``, ``backend``) that are present in ``group``.
 
     Args:
         group: a param-group mapping.
@@ -205,6 +205,8 @@ def check_group(
         check_bool(group["factored_v_2d"], f"{where}['factored_v_2d']", error)
     if "fused" in group and group["fused"] is not None:
         check_bool(group["fused"], f"{where}['fused']", error)
+    if "backend" in group and group["backend"] not in ("auto", "native", "compiled", "eager"):
+        raise error(f"{where}['backend'] = {group['backend']!r} is not one of 'auto', 'native', 'compiled', 'eager'.")
 
 
 #: ``torch.optim.AdamW`` keyword arguments and the value that means "off"; Gefen accepts only that value.

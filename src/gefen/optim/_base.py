@@ -200,6 +200,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._shards: dict[int, RowShard | None] = {}
         self._pending_codebook: Tensor | None = None
         self._warned_fallback = False
+        self._warned_native = False
 
     @property
     def compile_time_s(self) -> float:

@@ -24,6 +24,8 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
+from gefen.kernels import auto_backend, group_backend, native_supports, resolve_backend_option
+from gefen.kernels.native import native_step
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -225,6 +227,7 @@ class Gefen(GefenOptimizer):
         weight_decay: float = 0.0,
         *,
         factored_v_2d: bool = True,
+        backend: str = "auto",
         fused: bool | None = None,
         deterministic: bool = False,
         capturable: bool = False,
@@ -233,6 +236,7 @@ class Gefen(GefenOptimizer):
     ) -> None:
         refuse_torch_only_options("Gefen", torch_options)
         check_flags("Gefen", {"factored_v_2d": factored_v_2d, "fused": fused}, optional=("fused",))
+        backend = resolve_backend_option("Gefen", backend, fused, ConfigError)
         if fused is None:
             fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
@@ -241,6 +245,7 @@ class Gefen(GefenOptimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
+            "backend": backend,
             "fused": fused,
         }
         super().__init__(params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite)
@@ -249,13 +254,23 @@ class Gefen(GefenOptimizer):
         """Publish a load, keeping each group's live ``fused``: saved hyperparameters win as in ``torch.optim``,
         but ``fused`` says how this process runs the step, not how the run trains (both paths give the same
         state), so a checkpoint never switches it."""
-        live = [group.get("fused") for group in self.param_groups]
+        live = [(group.get("backend"), group.get("fused")) for group in self.param_groups]
         super()._publish_load(staged)
-        for group, fused in zip(self.param_groups, live):
-            group["fused"] = fused
+        for group, (backend, fused) in zip(self.param_groups, live):
+            group["backend"], group["fused"] = backend, fused
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
-        if group.get("fused") is not True:
+        backend = group_backend(group)
+        if backend == "native":
+            for i, tensor in enumerate(tensors):
+                reason = native_supports(tensor, tensor.dtype)
+                if reason:
+                    raise ConfigError(
+                        f"{where}['params'][{i}]: backend='native' cannot step it: {reason}. Pass backend='auto' "
+                        "(native where it can, eager elsewhere) or backend='eager'."
+                    )
+            return
+        if backend != "compiled":
             return
         if not compile_supported():
             raise ConfigError(
@@ -346,8 +361,13 @@ class Gefen(GefenOptimizer):
                 else:  # all-zero first gradient: only the decoupled decay
                     zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
                     apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
+        self._run_native([(item, group) for item, group in jobs if kernels.get(id(item.param)) == "native"])
         left = self._run_compiled(
-            [(item, group, kernels[id(item.param)]) for item, group in jobs if id(item.param) in kernels]
+            [
+                (item, group, kernels[id(item.param)])
+                for item, group in jobs
+                if isinstance(kernels.get(id(item.param)), KernelSignature)
+            ]
         )
         if self.capturable:
             for item, group in jobs:
@@ -459,24 +479,44 @@ class Gefen(GefenOptimizer):
 
     def _compile_jobs(
         self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], codebook: Tensor | None, periods: Mapping[int, int]
-    ) -> dict[int, KernelSignature]:
-        """Choose the compiled path per parameter and compile new signatures, before any state changes.
+    ) -> dict[int, KernelSignature | str]:
+        """Choose the backend of every parameter (:mod:`gefen.kernels`: the one dispatch point) and compile new
+        signatures, before any state changes.
 
         Returns:
-            ``id(param) -> signature`` of the parameters that run compiled; the others run eagerly.
+            ``id(param) -> signature`` of the parameters that run compiled, ``id(param) -> "native"`` of those that
+            run natively; the others run eagerly.
 
         Raises:
             StepError: a param group with ``fused=True`` has a signature that failed to compile.
         """
-        chosen: dict[int, KernelSignature] = {}
+        chosen: dict[int, KernelSignature | str] = {}
         self._pending_codebook = codebook
         try:
-            default = fused_by_default() if any(group.get("fused") is None for _, group in jobs) else False
+            default = fused_by_default() if any(group_backend(group) == "auto" for _, group in jobs) else False
             for item, group in jobs:
                 if item.shard is not None:  # sharded parameters run the eager step
                     continue
-                fused = group.get("fused")
-                wanted = default if fused is None else fused
+                backend = group_backend(group)
+                if backend == "auto":
+                    backend, reason = auto_backend(item.param, item.grad.dtype, default)
+                    if reason and not self._warned_native:
+                        self._warned_native = True
+                        warn_user(
+                            f"{self.kind}: the native CPU backend is unavailable ({reason}); using the eager step "
+                            "(same results, slower). backend='native' would raise instead."
+                        )
+                if backend == "native":
+                    reason = native_supports(item.param, item.grad.dtype)
+                    if reason:
+                        raise StepError(
+                            f"{self.kind}(backend='native'): {item.name} cannot run natively: {reason}. Nothing "
+                            "was changed; pass backend='auto' or backend='eager'."
+                        )
+                    chosen[id(item.param)] = "native"
+                    continue
+                fused = True if backend == "compiled" and group_backend(group) == "compiled" else None
+                wanted = backend == "compiled"
                 if fused and not compile_supported():
                     raise StepError(
                         "Gefen(fused=True): torch.compile is unavailable or disabled here (TORCH_COMPILE_DISABLE "
@@ -513,6 +553,45 @@ class Gefen(GefenOptimizer):
         finally:
             self._pending_codebook = None
         return chosen
+
+    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
+        """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs``: one library call per parameter.
+
+        The arguments were checked when the backend was chosen (CPU, fp32/bf16/fp16), so a failure here is a bug;
+        the library validates its record before it touches anything.
+        """
+        if not jobs:
+            return
+        cpu = torch.device("cpu")
+        table = self._nearest_table(cpu)
+        tables = (table.codebook, table.lut, table.thresholds)
+        for item, group in jobs:
+            view = ParamState.from_dict(self.state[item.param])
+            beta1, beta2 = (as_float(b) for b in group["betas"])
+            param = item.param.detach()
+            work = param if param.is_contiguous() else param.contiguous()
+            factored = view.kind == "factored"
+            native_step(
+                "factored" if factored else "block",
+                grad=kernel_grad(item.grad, (param.numel(),)),
+                codes=view.codes,
+                scale=view.scale,
+                tables=tables,
+                steps=table.steps,
+                period=view.period,
+                beta1=beta1,
+                param=work.view(-1),
+                second=(view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,),
+                shape=tuple(param.shape) if factored else (0, 0),
+                beta2=beta2,
+                eps=as_float(group["eps"]),
+                lr=as_float(group["lr"]),
+                weight_decay=as_float(group["weight_decay"]),
+                step=int(view.step) + 1,
+            )
+            if work is not param:
+                param.copy_(work)
+            view.step.add_(1)
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.

@@ -32,6 +32,7 @@ from gefen.checkpoint import check_hybrid_layout
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
+from gefen.kernels import resolve_backend_option
 from gefen.optim._base import WorkItem, iter_named_params, resolve_nonfinite
 from gefen.optim.gefen import Gefen, check_not_inference
 from gefen.optim.muon import GefenMuon
@@ -216,7 +217,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             sharded_mode: Muon options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``,
             ``normuon=True``, ``adjust_lr_fn="match_rms_adamw"``.
         backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
-        fused, deterministic, capturable, nonfinite: forwarded to both children (see :class:`Gefen`); with an
+        backend, fused, deterministic, capturable, nonfinite: forwarded to both Gefen children (see :class:`Gefen`;
+            ``fused`` is the deprecated alias of ``backend``, folded in here); with an
             AdamW backup, ``deterministic``/``nonfinite`` are enforced on its gradients by the hybrid, and
             ``capturable=True`` is refused.
 
@@ -251,6 +253,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         normuon_eps: float = 1e-8,
         sharded_mode: str = "exact",
         backup_substrings: Sequence[str] = DEFAULT_BACKUP_SUBSTRINGS,
+        backend: str = "auto",
         fused: bool | None = None,
         deterministic: bool = False,
         capturable: bool = False,
@@ -281,7 +284,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.backup_optimizer = backup_optimizer
         wd = weight_decay
         policies: dict[str, Any] = {
-            "fused": fused,
+            "backend": resolve_backend_option("GefenMuonHybrid", backend, fused, ConfigError),
             "deterministic": deterministic,
             "capturable": capturable,
             "nonfinite": self.nonfinite,

@@ -12,6 +12,8 @@ from gefen._warnings import warn_user
 from gefen.compiled import KernelSignature, constants_on, fused_by_default, kernel_grad, lerp_high
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
+from gefen.kernels import resolve_backend_option
+from gefen.kernels.native import native_step
 from gefen.math.fused import SCALARS, fused_momentum_, write_param_
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
@@ -103,6 +105,7 @@ class GefenMuon(Gefen):
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         sharded_mode: str = "exact",
+        backend: str = "auto",
         fused: bool | None = None,
         deterministic: bool = False,
         capturable: bool = False,
@@ -111,6 +114,7 @@ class GefenMuon(Gefen):
     ) -> None:
         refuse_torch_only_options("GefenMuon", torch_options)
         check_flags("GefenMuon", {"nesterov": nesterov, "normuon": normuon, "fused": fused}, optional=("fused",))
+        backend = resolve_backend_option("GefenMuon", backend, fused, ConfigError)
         if fused is None:
             fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
@@ -126,6 +130,7 @@ class GefenMuon(Gefen):
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
             "sharded_mode": sharded_mode,
+            "backend": backend,
             "fused": fused,
         }
         _check_muon_group(defaults, "GefenMuon")
@@ -168,6 +173,29 @@ class GefenMuon(Gefen):
         for item, group, signature in jobs:
             self._update(item, group, signature)
         return set()
+
+    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
+        """The native backend covers the quantized momentum; the rest of each update runs in :meth:`_update`."""
+        for item, group in jobs:
+            self._update(item, group, "native")
+
+    def _native_momentum(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
+        """``m̂`` (fp32, (B, P)) from the native library, with the state updated in place."""
+        table = self._nearest_table(torch.device("cpu"))
+        blocks = tuple(view.codes.shape)
+        out = torch.empty(blocks, dtype=torch.float32)
+        native_step(
+            "momentum",
+            grad=kernel_grad(item.grad, (item.param.numel(),)),
+            codes=view.codes,
+            scale=view.scale,
+            tables=(table.codebook, table.lut, table.thresholds),
+            steps=table.steps,
+            period=view.period,
+            beta1=beta,
+            out=out.view(-1),
+        )
+        return out
 
     def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
         """``capturable=True``: the same update with the momentum's pure function called directly and the
@@ -225,7 +253,9 @@ class GefenMuon(Gefen):
         return out
 
     # ------------------------------------------------------------------ the Muon update
-    def _update(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | None = None) -> None:
+    def _update(
+        self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None
+    ) -> None:
         """Apply algorithm.md §7.1 to one 2-D parameter (the momentum through a compiled kernel if given)."""
         update = self._direction(item, group, signature)
         shard = item.shard
@@ -281,14 +311,21 @@ class GefenMuon(Gefen):
                 owners[id(p)] = position % shard.world
         return owners
 
-    def _direction(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | None = None) -> Tensor:
+    def _direction(
+        self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None
+    ) -> Tensor:
         """Update the quantized momentum of one parameter (this rank's rows) and return the matrix to
         orthogonalise: ``U = β·m̂ + (1−β)·G`` (Nesterov) or ``m̂``, fp32 of the target's shape."""
         view = ParamState.from_dict(local_state(self.state[item.param]))
         beta = as_float(group["momentum"])
         rows, cols = item.target.shape
         grad = item.grad.to(torch.float32)
-        m_hat = self._compiled_momentum(item, view, signature, beta) if signature is not None else None
+        if signature == "native":
+            m_hat: Tensor | None = self._native_momentum(item, view, beta)
+        elif isinstance(signature, KernelSignature):
+            m_hat = self._compiled_momentum(item, view, signature, beta)
+        else:
+            m_hat = None
         if self.capturable:
             m_hat = self._momentum_on_device(item, view, beta)
         if m_hat is None:

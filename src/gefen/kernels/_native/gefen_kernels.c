@@ -1,0 +1,638 @@
+/*
+ * Gefen native CPU kernels: one Gefen step (block-shared or factored second moment) and GefenMuon's quantized
+ * momentum, for fp32/bf16/fp16 parameters and gradients, with run-time dispatch on the CPU's features
+ * (AVX-512, AVX2+FMA+F16C, portable scalar C).
+ *
+ * A plain shared library: no Python C-API, no torch C++ ABI. Python (gefen.kernels.native) passes data pointers
+ * and one typed record of per-step scalars through ctypes. Threads come from the process's own OpenMP runtime
+ * (torch's): Python hands over the addresses of GOMP_parallel / omp_get_thread_num / omp_get_num_threads, so no
+ * second OpenMP runtime is ever loaded.
+ *
+ * Rounding rules (those of the eager torch reference, gefen.kernels.reference, documented there):
+ *   - every intermediate is fp32; gradients are up-cast exactly; parameters are written once, round to nearest even;
+ *   - first moment:  m_old = c[idx] * a_old;  d = g - m_old;
+ *                    m = fma(w, d, m_old)   if w < 0.5  (torch's lerp), else  m = fma(w - 1, d, g);
+ *                    a = max|m| (NaN propagates);  u = m / a (true division; u = m / 1 when a is not > 0);
+ *                    idx = lut[clamp(trunc((u + 1) * 2048), 0, 4095)] + #{thresholds passed}  (exact §4.8 rule);
+ *                    m_hat = c[idx] * a;
+ *   - parameter:     p = fma(d, step, p * decay)  with d = m_hat * s (block) or m_hat / (row*col + eps) (factored).
+ * Codes and magnitudes are therefore bit-identical to the reference; second moments use another summation order
+ * (within a few ulps), which each ISA keeps fixed: results do not depend on the thread count.
+ *
+ * The file is compiled with -ffp-contract=off: every fused multiply-add is written out.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define GEFEN_X86 1
+#include <immintrin.h>
+#else
+#define GEFEN_X86 0
+#endif
+
+#define GEFEN_ABI_VERSION 1
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
+enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2 };
+
+/* The argument record. Must match gefen/kernels/native.py (StepArgs) field by field. */
+typedef struct {
+    void *param;              /* (N,) parameter, param_dtype; unused for KIND_MOMENTUM */
+    const void *grad;         /* (N,) gradient, grad_dtype, contiguous */
+    uint8_t *codes;           /* (N,) uint8 codes, updated */
+    float *scale;             /* (B,) fp32 magnitudes, updated */
+    float *v;                 /* (B,) fp32 block second moment, updated (KIND_BLOCK) */
+    float *v_row;             /* (R,) fp32 (KIND_FACTORED) */
+    float *v_col;             /* (C,) fp32 (KIND_FACTORED) */
+    float *out;               /* (N,) fp32 m_hat output (KIND_MOMENTUM) */
+    const float *codebook;    /* (256,) fp32 */
+    const int32_t *lut;       /* (4097,) int32 bucket table */
+    const float *thresholds;  /* (K - 1 + steps,) fp32, +inf padded */
+    int64_t numel, period, rows, cols;
+    int64_t param_dtype, grad_dtype, steps, lerp_high, kind, threads;
+    float w;                  /* EMA weight 1 - beta1 (Muon: 1 - momentum) */
+    float beta2, one_minus_beta2, eps;
+    float decay;              /* 1 - lr * weight_decay */
+    float step;               /* block: -lr;  factored: -lr / bc1 */
+    float inv_root_bc2;       /* block: 1 / sqrt(bc2) */
+    float inv_bc1;            /* block: 1 / bc1 */
+    float bc2;                /* factored: 1 - beta2^t */
+    float pad_;
+} gefen_step_args;
+
+/* ------------------------------------------------------------------ threading (the process's OpenMP runtime) */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_int_fn)(void);
+static gomp_parallel_fn g_parallel = 0;
+static omp_int_fn g_thread_num = 0;
+static omp_int_fn g_num_threads = 0;
+
+void gefen_set_threading(void *parallel, void *thread_num, void *num_threads) {
+    g_parallel = (gomp_parallel_fn)parallel;
+    g_thread_num = (omp_int_fn)thread_num;
+    g_num_threads = (omp_int_fn)num_threads;
+}
+
+typedef void (*task_fn)(const void *ctx, int64_t task);
+typedef struct {
+    task_fn fn;
+    const void *ctx;
+    int64_t tasks;
+} pool_job;
+
+static void pool_worker(void *data) {
+    const pool_job *job = (const pool_job *)data;
+    int64_t n = g_num_threads(), k = g_thread_num();
+    int64_t lo = job->tasks * k / n, hi = job->tasks * (k + 1) / n;
+    for (int64_t t = lo; t < hi; t++) job->fn(job->ctx, t);
+}
+
+/* Run fn(ctx, t) for t in [0, tasks): each task is independent, so the result never depends on the threads. */
+static void parallel_for(int64_t tasks, int64_t threads, task_fn fn, const void *ctx) {
+    if (threads > tasks) threads = tasks;
+    if (threads <= 1 || !g_parallel) {
+        for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
+        return;
+    }
+    pool_job job = {fn, ctx, tasks};
+    g_parallel(pool_worker, &job, (unsigned)threads, 0);
+}
+
+/* ------------------------------------------------------------------ scalar conversions */
+static inline float bits_f(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f((uint32_t)h << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t b = f_bits(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN, as torch */
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t v = (uint32_t)(h & 0x7fffu) << 13;
+    uint32_t exp = v & 0x0f800000u;
+    v += (uint32_t)(127 - 15) << 23;
+    if (exp == 0x0f800000u) {
+        v += (uint32_t)(128 - 16) << 23; /* inf / NaN */
+    } else if (exp == 0) {               /* zero / subnormal */
+        v += 1u << 23;
+        v = f_bits(bits_f(v) - bits_f(113u << 23));
+    }
+    return bits_f(v | sign);
+}
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x = f_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint16_t o;
+    x &= 0x7fffffffu;
+    if (x >= 0x47800000u) {                 /* >= 65536 (or inf / NaN) */
+        o = (x > 0x7f800000u) ? 0x7e00 : 0x7c00;
+    } else if (x < 0x38800000u) {           /* below the smallest normal half: exact RNE by float addition */
+        float r = bits_f(x) + 0.5f;
+        o = (uint16_t)(f_bits(r) - f_bits(0.5f));
+    } else {
+        uint32_t odd = (x >> 13) & 1u;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        x += odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return (uint16_t)(o | sign);
+}
+
+static inline float load1(const void *p, int64_t i, int64_t dt) {
+    if (dt == DT_F32) return ((const float *)p)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+static inline void store1(void *p, int64_t i, int64_t dt, float x) {
+    if (dt == DT_F32) ((float *)p)[i] = x;
+    else if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else ((uint16_t *)p)[i] = f32_to_f16(x);
+}
+
+/* ------------------------------------------------------------------ one element (scalar path and vector tails) */
+static inline float ema1(const gefen_step_args *a, float m_old, float g) {
+    float d = g - m_old;
+    return a->lerp_high ? fmaf(a->w - 1.0f, d, g) : fmaf(a->w, d, m_old);
+}
+static inline int32_t nearest1(const gefen_step_args *a, float u) {
+    float t = (u + 1.0f) * 2048.0f;
+    int32_t b = (t >= 1.0f) ? ((t < 4095.0f) ? (int32_t)t : 4095) : 0; /* NaN -> 0 */
+    int32_t idx = a->lut[b];
+    for (int64_t s = 0; s < a->steps; s++) idx += a->thresholds[idx] < u;
+    return idx;
+}
+/* The quantized moment and the parameter write of element j of a block (m already in buf[j]). */
+static inline void finish1(const gefen_step_args *a, int64_t e, float m, float inv_denom_a, float amag,
+                           float s, const float *col_root, float row_root, int64_t c) {
+    float u = m / inv_denom_a;
+    int32_t idx = nearest1(a, u);
+    a->codes[e] = (uint8_t)idx;
+    float m_hat = a->codebook[idx] * amag;
+    if (a->kind == KIND_MOMENTUM) {
+        a->out[e] = m_hat;
+        return;
+    }
+    float d = (a->kind == KIND_FACTORED) ? m_hat / (row_root * col_root[c] + a->eps) : m_hat * s;
+    float p = load1(a->param, e, a->param_dtype) * a->decay;
+    store1(a->param, e, a->param_dtype, fmaf(d, a->step, p));
+}
+
+/* ------------------------------------------------------------------ per-block driver, shared by every ISA */
+typedef struct {
+    const gefen_step_args *a;
+    const float *row_root, *col_root;
+    int64_t blocks_per_task;
+    int level;
+} block_ctx;
+
+/* pass 1 over [j0, j1) of block b: m into buf, returns max|m| (NaN-propagating) and adds sum g^2 to *sq */
+typedef float (*pass1_fn)(const gefen_step_args *, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
+                          float *sq);
+/* pass 2 over [j0, j1) of block b (one row segment when factored) */
+typedef void (*pass2_fn)(const gefen_step_args *, int64_t base, int64_t j0, int64_t j1, const float *buf,
+                         float denom, float amag, float s, const float *col_root, float row_root, int64_t c0);
+
+static float pass1_scalar(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
+                          float *sq) {
+    float mx = 0.0f, acc = 0.0f;
+    int nan = 0;
+    for (int64_t j = j0; j < j1; j++) {
+        float g = load1(a->grad, base + j, a->grad_dtype);
+        float m = ema1(a, a->codebook[a->codes[base + j]] * a_old, g);
+        buf[j] = m;
+        float am = fabsf(m);
+        if (am != am) nan = 1;
+        else if (am > mx) mx = am;
+        acc = fmaf(g, g, acc);
+    }
+    *sq += acc;
+    return nan ? NAN : mx;
+}
+
+static void pass2_scalar(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, const float *buf,
+                         float denom, float amag, float s, const float *col_root, float row_root, int64_t c0) {
+    for (int64_t j = j0; j < j1; j++) finish1(a, base + j, buf[j], denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+
+#if GEFEN_X86
+/* ---------------- AVX2 + FMA + F16C: 8 lanes */
+#define T2 __attribute__((target("avx2,fma,f16c")))
+T2 static inline __m256 ld8(const void *p, int64_t i, int64_t dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+T2 static inline void st8(void *p, int64_t i, int64_t dt, __m256 x) {
+    if (dt == DT_F32) {
+        _mm256_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m128i h;
+    if (dt == DT_BF16) {
+        __m256i b = _mm256_castps_si256(x);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        __m256 isnan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(isnan));
+        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    } else {
+        h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+}
+T2 static inline __m256i codes8(const uint8_t *c) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)); }
+
+T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
+                           float *sq) {
+    const __m256 vw = _mm256_set1_ps(a->lerp_high ? a->w - 1.0f : a->w), vold = _mm256_set1_ps(a_old);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps(), acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        __m256 g = ld8(a->grad, base + j, a->grad_dtype);
+        __m256 mo = _mm256_mul_ps(_mm256_i32gather_ps(a->codebook, codes8(a->codes + base + j), 4), vold);
+        __m256 d = _mm256_sub_ps(g, mo);
+        __m256 m = _mm256_fmadd_ps(vw, d, a->lerp_high ? g : mo);
+        _mm256_storeu_ps(buf + j, m);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, _mm256_and_ps(m, absmask));
+        acc = _mm256_fmadd_ps(g, g, acc);
+    }
+    float lanes[8], sums[8];
+    _mm256_storeu_ps(lanes, mx);
+    _mm256_storeu_ps(sums, acc);
+    float m_out = 0.0f, s_out = 0.0f;
+    for (int k = 0; k < 8; k++) {
+        if (lanes[k] > m_out) m_out = lanes[k];
+        s_out += sums[k];
+    }
+    *sq += s_out;
+    int has_nan = _mm256_movemask_ps(nan) != 0;
+    float tail = pass1_scalar(a, base, j, j1, a_old, buf, sq);
+    if (has_nan || tail != tail) return NAN;
+    return tail > m_out ? tail : m_out;
+}
+
+T2 static inline __m256i nearest8(const gefen_step_args *a, __m256 u) {
+    __m256 t = _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.0f)), _mm256_set1_ps(2048.0f));
+    __m256i b = _mm256_cvttps_epi32(t); /* NaN / overflow -> INT_MIN -> clamped to 0 */
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(4095));
+    __m256i idx = _mm256_i32gather_epi32(a->lut, b, 4);
+    for (int64_t s = 0; s < a->steps; s++) {
+        __m256 th = _mm256_i32gather_ps(a->thresholds, idx, 4);
+        idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(th, u, _CMP_LT_OQ)));
+    }
+    return idx;
+}
+
+T2 static void pass2_avx2(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, const float *buf,
+                          float denom, float amag, float s, const float *col_root, float row_root, int64_t c0) {
+    const __m256 vden = _mm256_set1_ps(denom), vmag = _mm256_set1_ps(amag), vs = _mm256_set1_ps(s);
+    const __m256 vrow = _mm256_set1_ps(row_root), veps = _mm256_set1_ps(a->eps);
+    const __m256 vdecay = _mm256_set1_ps(a->decay), vstep = _mm256_set1_ps(a->step);
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        __m256 u = _mm256_div_ps(_mm256_loadu_ps(buf + j), vden);
+        __m256i idx = nearest8(a, u);
+        __m256i packed = _mm256_packus_epi32(idx, idx); /* 16-bit, lanes 0-3 | 8-11 */
+        packed = _mm256_permute4x64_epi64(packed, 0x08);
+        __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(packed), _mm256_castsi256_si128(packed));
+        _mm_storel_epi64((__m128i *)(a->codes + base + j), bytes);
+        __m256 m_hat = _mm256_mul_ps(_mm256_i32gather_ps(a->codebook, idx, 4), vmag);
+        if (a->kind == KIND_MOMENTUM) {
+            _mm256_storeu_ps(a->out + base + j, m_hat);
+            continue;
+        }
+        __m256 d;
+        if (a->kind == KIND_FACTORED) {
+            __m256 den = _mm256_add_ps(_mm256_mul_ps(vrow, _mm256_loadu_ps(col_root + c0 + (j - j0))), veps);
+            d = _mm256_div_ps(m_hat, den);
+        } else {
+            d = _mm256_mul_ps(m_hat, vs);
+        }
+        __m256 p = _mm256_mul_ps(ld8(a->param, base + j, a->param_dtype), vdecay);
+        st8(a->param, base + j, a->param_dtype, _mm256_fmadd_ps(d, vstep, p));
+    }
+    pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+
+/* ---------------- AVX-512 (F, BW, VL): 16 lanes */
+#define T5 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+T5 static inline __m512 ld16(const void *p, int64_t i, int64_t dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+T5 static inline void st16(void *p, int64_t i, int64_t dt, __m512 x) {
+    if (dt == DT_F32) {
+        _mm512_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m256i h;
+    if (dt == DT_BF16) {
+        __m512i b = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+        __mmask16 isnan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(0x7fc0));
+        h = _mm512_cvtepi32_epi16(r);
+    } else {
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+T5 static float pass1_avx512(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old,
+                             float *buf, float *sq) {
+    const __m512 vw = _mm512_set1_ps(a->lerp_high ? a->w - 1.0f : a->w), vold = _mm512_set1_ps(a_old);
+    __m512 mx = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        __m512 g = ld16(a->grad, base + j, a->grad_dtype);
+        __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a->codes + base + j)));
+        __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, a->codebook, 4), vold);
+        __m512 d = _mm512_sub_ps(g, mo);
+        __m512 m = _mm512_fmadd_ps(vw, d, a->lerp_high ? g : mo);
+        _mm512_storeu_ps(buf + j, m);
+        nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(m));
+        acc = _mm512_fmadd_ps(g, g, acc);
+    }
+    float m_out = _mm512_reduce_max_ps(mx);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    float s_out = 0.0f;
+    for (int k = 0; k < 16; k++) s_out += lanes[k];
+    *sq += s_out;
+    float tail = pass1_scalar(a, base, j, j1, a_old, buf, sq);
+    if (nan || tail != tail) return NAN;
+    return tail > m_out ? tail : m_out;
+}
+
+T5 static inline __m512i nearest16(const gefen_step_args *a, __m512 u) {
+    __m512 t = _mm512_mul_ps(_mm512_add_ps(u, _mm512_set1_ps(1.0f)), _mm512_set1_ps(2048.0f));
+    __m512i b = _mm512_cvttps_epi32(t);
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(4095));
+    __m512i idx = _mm512_i32gather_epi32(b, a->lut, 4);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int64_t s = 0; s < a->steps; s++) {
+        __m512 th = _mm512_i32gather_ps(idx, a->thresholds, 4);
+        idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(th, u, _CMP_LT_OQ), idx, one);
+    }
+    return idx;
+}
+
+T5 static void pass2_avx512(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, const float *buf,
+                            float denom, float amag, float s, const float *col_root, float row_root, int64_t c0) {
+    const __m512 vden = _mm512_set1_ps(denom), vmag = _mm512_set1_ps(amag), vs = _mm512_set1_ps(s);
+    const __m512 vrow = _mm512_set1_ps(row_root), veps = _mm512_set1_ps(a->eps);
+    const __m512 vdecay = _mm512_set1_ps(a->decay), vstep = _mm512_set1_ps(a->step);
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        __m512 u = _mm512_div_ps(_mm512_loadu_ps(buf + j), vden);
+        __m512i idx = nearest16(a, u);
+        _mm_storeu_si128((__m128i *)(a->codes + base + j), _mm512_cvtepi32_epi8(idx));
+        __m512 m_hat = _mm512_mul_ps(_mm512_i32gather_ps(idx, a->codebook, 4), vmag);
+        if (a->kind == KIND_MOMENTUM) {
+            _mm512_storeu_ps(a->out + base + j, m_hat);
+            continue;
+        }
+        __m512 d;
+        if (a->kind == KIND_FACTORED) {
+            __m512 den = _mm512_add_ps(_mm512_mul_ps(vrow, _mm512_loadu_ps(col_root + c0 + (j - j0))), veps);
+            d = _mm512_div_ps(m_hat, den);
+        } else {
+            d = _mm512_mul_ps(m_hat, vs);
+        }
+        __m512 p = _mm512_mul_ps(ld16(a->param, base + j, a->param_dtype), vdecay);
+        st16(a->param, base + j, a->param_dtype, _mm512_fmadd_ps(d, vstep, p));
+    }
+    pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+#endif /* GEFEN_X86 */
+
+/* ------------------------------------------------------------------ CPU level */
+static int g_forced_level = -1;
+
+int gefen_cpu_level(void) {
+#if GEFEN_X86 && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return LEVEL_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return LEVEL_AVX2;
+#endif
+    return LEVEL_SCALAR;
+}
+
+/* Use at most `level` (tests run every path a CPU supports); -1 restores the best level. Returns the level used. */
+int gefen_force_level(int level) {
+    int best = gefen_cpu_level();
+    g_forced_level = (level < 0 || level > best) ? -1 : level;
+    return g_forced_level < 0 ? best : g_forced_level;
+}
+
+static int active_level(void) { return g_forced_level >= 0 ? g_forced_level : gefen_cpu_level(); }
+
+int gefen_abi_version(void) { return GEFEN_ABI_VERSION; }
+
+/* ------------------------------------------------------------------ the block loop */
+static void block_task(const void *ctx_, int64_t task) {
+    const block_ctx *ctx = (const block_ctx *)ctx_;
+    const gefen_step_args *a = ctx->a;
+    const int64_t P = a->period, B = a->numel / P;
+    int64_t b0 = task * ctx->blocks_per_task, b1 = b0 + ctx->blocks_per_task;
+    if (b1 > B) b1 = B;
+    pass1_fn p1 = pass1_scalar;
+    pass2_fn p2 = pass2_scalar;
+#if GEFEN_X86
+    if (ctx->level == LEVEL_AVX512) {
+        p1 = pass1_avx512;
+        p2 = pass2_avx512;
+    } else if (ctx->level == LEVEL_AVX2) {
+        p1 = pass1_avx2;
+        p2 = pass2_avx2;
+    }
+#endif
+    float stack_buf[1024];
+    float *buf = P <= 1024 ? stack_buf : (float *)malloc((size_t)P * sizeof(float));
+    if (!buf) return; /* checked up front by gefen_step (P <= numel), malloc failure leaves the block untouched */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t base = b * P;
+        float sq = 0.0f;
+        float amag = p1(a, base, 0, P, a->scale[b], buf, &sq);
+        float s = 0.0f;
+        if (a->kind == KIND_BLOCK) {
+            float mean = sq * (1.0f / (float)P);
+            float v = fmaf(mean, a->one_minus_beta2, a->v[b] * a->beta2);
+            a->v[b] = v;
+            s = (1.0f / (sqrtf(v) * a->inv_root_bc2 + a->eps)) * a->inv_bc1;
+        }
+        float denom = (amag > 0.0f) ? amag : 1.0f;
+        if (a->kind == KIND_FACTORED) {
+            const int64_t C = a->cols;
+            int64_t j = 0;
+            while (j < P) {
+                int64_t e = base + j, r = e / C, c = e - r * C;
+                int64_t len = C - c < P - j ? C - c : P - j;
+                p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+                j += len;
+            }
+        } else {
+            p2(a, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
+        }
+        a->scale[b] = amag;
+    }
+    if (buf != stack_buf) free(buf);
+}
+
+/* ------------------------------------------------------------------ factored statistics (pass A) */
+/* Sum of g^2 over one row [base, base + C) (returned) and g^2 added to the column partials col[0..C). */
+typedef float (*row_fn)(const gefen_step_args *, int64_t base, int64_t C, float *col);
+
+static float row_sq_scalar_from(const gefen_step_args *a, int64_t base, int64_t c, int64_t C, float *col,
+                                float acc) {
+    for (; c < C; c++) {
+        float g = load1(a->grad, base + c, a->grad_dtype);
+        float g2 = g * g;
+        acc += g2;
+        col[c] += g2;
+    }
+    return acc;
+}
+static float row_sq_scalar(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
+    return row_sq_scalar_from(a, base, 0, C, col, 0.0f);
+}
+#if GEFEN_X86
+T5 static float row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
+    __m512 s16 = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512 g = ld16(a->grad, base + c, a->grad_dtype);
+        __m512 g2 = _mm512_mul_ps(g, g);
+        s16 = _mm512_add_ps(s16, g2);
+        _mm512_storeu_ps(col + c, _mm512_add_ps(_mm512_loadu_ps(col + c), g2));
+    }
+    float lanes[16], acc = 0.0f;
+    _mm512_storeu_ps(lanes, s16);
+    for (int k = 0; k < 16; k++) acc += lanes[k];
+    return row_sq_scalar_from(a, base, c, C, col, acc);
+}
+T2 static float row_sq_avx2(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
+    __m256 s8 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        __m256 g = ld8(a->grad, base + c, a->grad_dtype);
+        __m256 g2 = _mm256_mul_ps(g, g);
+        s8 = _mm256_add_ps(s8, g2);
+        _mm256_storeu_ps(col + c, _mm256_add_ps(_mm256_loadu_ps(col + c), g2));
+    }
+    float lanes[8], acc = 0.0f;
+    _mm256_storeu_ps(lanes, s8);
+    for (int k = 0; k < 8; k++) acc += lanes[k];
+    return row_sq_scalar_from(a, base, c, C, col, acc);
+}
+#endif
+
+typedef struct {
+    const gefen_step_args *a;
+    float *row_sq;    /* (R,) */
+    float *col_part;  /* (tasks, C) */
+    int64_t rows_per_task;
+    int level;
+} stats_ctx;
+
+static void stats_task(const void *ctx_, int64_t task) {
+    const stats_ctx *ctx = (const stats_ctx *)ctx_;
+    const gefen_step_args *a = ctx->a;
+    const int64_t C = a->cols;
+    int64_t r0 = task * ctx->rows_per_task, r1 = r0 + ctx->rows_per_task;
+    if (r1 > a->rows) r1 = a->rows;
+    float *col = ctx->col_part + task * C;
+    memset(col, 0, (size_t)C * sizeof(float));
+    for (int64_t r = r0; r < r1; r++) {
+        row_fn fn = row_sq_scalar;
+#if GEFEN_X86
+        if (ctx->level == LEVEL_AVX512) fn = row_sq_avx512;
+        else if (ctx->level == LEVEL_AVX2) fn = row_sq_avx2;
+#endif
+        float acc = fn(a, r * C, C, col);
+        ctx->row_sq[r] = acc;
+    }
+}
+
+/* ------------------------------------------------------------------ entry point */
+/* Elements per task of the block loop; a fixed number, so the split never depends on the thread count. */
+#define TASK_ELEMENTS 32768
+/* Below this many elements the step runs on the calling thread (waking the pool costs more). */
+#define PARALLEL_MIN_ELEMENTS 65536
+
+int gefen_step(const gefen_step_args *a) {
+    if (!a || a->numel <= 0 || a->period <= 0 || a->numel % a->period != 0) return ERR_ARGS;
+    if (a->param_dtype < 0 || a->param_dtype > 2 || a->grad_dtype < 0 || a->grad_dtype > 2) return ERR_ARGS;
+    if (a->kind < 0 || a->kind > 2 || a->steps < 0 || !a->codes || !a->scale || !a->grad) return ERR_ARGS;
+    if (!a->codebook || !a->lut || !a->thresholds) return ERR_ARGS;
+    if (a->kind == KIND_BLOCK && (!a->v || !a->param)) return ERR_ARGS;
+    if (a->kind == KIND_MOMENTUM && !a->out) return ERR_ARGS;
+    if (a->kind == KIND_FACTORED &&
+        (!a->v_row || !a->v_col || !a->param || a->rows <= 0 || a->cols <= 0 || a->rows * a->cols != a->numel))
+        return ERR_ARGS;
+    if (a->period > 1024) { /* the block buffer comes from the heap: check once that it can */
+        void *probe = malloc((size_t)a->period * sizeof(float));
+        if (!probe) return ERR_NOMEM;
+        free(probe);
+    }
+    const int level = active_level();
+    const int64_t threads = a->numel >= PARALLEL_MIN_ELEMENTS ? a->threads : 1;
+    block_ctx ctx = {a, 0, 0, 1, level};
+    float *scratch = 0;
+    if (a->kind == KIND_FACTORED) {
+        const int64_t R = a->rows, C = a->cols;
+        int64_t rows_per_task = (TASK_ELEMENTS + C - 1) / C;
+        if (rows_per_task < 1) rows_per_task = 1;
+        const int64_t tasks = (R + rows_per_task - 1) / rows_per_task;
+        scratch = (float *)malloc((size_t)(R + C + C + tasks * C) * sizeof(float));
+        if (!scratch) return ERR_NOMEM;
+        float *row_root = scratch, *col_root = scratch + R, *col_sq = scratch + R + C, *part = scratch + R + 2 * C;
+        stats_ctx sctx = {a, row_root, part, rows_per_task, level};
+        parallel_for(tasks, threads, stats_task, &sctx);
+        memset(col_sq, 0, (size_t)C * sizeof(float));
+        for (int64_t t = 0; t < tasks; t++)
+            for (int64_t c = 0; c < C; c++) col_sq[c] += part[t * C + c];
+        const float inv_c = 1.0f / (float)C, inv_r = 1.0f / (float)R;
+        double total = 0.0;
+        for (int64_t r = 0; r < R; r++) {
+            float v = fmaf(row_root[r] * inv_c, a->one_minus_beta2, a->v_row[r] * a->beta2);
+            a->v_row[r] = v;
+            total += v;
+        }
+        for (int64_t c = 0; c < C; c++) {
+            float v = fmaf(col_sq[c] * inv_r, a->one_minus_beta2, a->v_col[c] * a->beta2);
+            a->v_col[c] = v;
+            col_root[c] = sqrtf(v);
+        }
+        float mean = (float)(total / (double)R);
+        float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
+        for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
+        ctx.row_root = row_root;
+        ctx.col_root = col_root;
+    }
+    const int64_t P = a->period, B = a->numel / P;
+    int64_t per_task = TASK_ELEMENTS / P;
+    if (per_task < 1) per_task = 1;
+    ctx.blocks_per_task = per_task;
+    parallel_for((B + per_task - 1) / per_task, threads, block_task, &ctx);
+    free(scratch);
+    return OK;
+}

@@ -1,0 +1,324 @@
+"""The native CPU backend: a plain C shared library (``libgefen_kernels``) called through ctypes.
+
+The library (source: ``gefen/kernels/_native/gefen_kernels.c``) holds one Gefen step per parameter (block-shared or
+factored second moment, algorithm.md §6.2 / §6.4) and GefenMuon's quantized momentum (§7.1 step 2), for fp32, bf16
+and fp16 parameters and gradients, with run-time dispatch on the CPU's features: AVX-512 (F/BW/VL), AVX2 + FMA +
+F16C, or portable scalar C. It uses no Python C-API and no torch C++ ABI, so one binary serves every supported
+Python and torch version; it is given data pointers and one :class:`StepArgs` record.
+
+Threads: the library runs its parallel loops on the process's own OpenMP runtime (the one torch loaded; found in
+the process's memory map and opened with ``RTLD_NOLOAD``, so a second runtime is never loaded), with
+``torch.get_num_threads()`` threads. The work is split into tasks of a fixed size, each block computed by one task,
+so results are bit-identical for every thread count. Where no OpenMP runtime is found the loops run serially.
+
+Rounding rules: those of the eager reference (:mod:`gefen.kernels.reference`); codes and magnitudes are
+bit-identical to it, second moments differ by the summation order of the block/row/column sums (a few ulps).
+
+Environment: ``GEFEN_NATIVE_LIB`` names another build of the library (the AddressSanitizer test uses it);
+``GEFEN_NATIVE=0`` disables the backend (``backend="auto"`` then falls back with one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ABI_VERSION",
+    "LIBRARY_ENV",
+    "DISABLE_ENV",
+    "NATIVE_DTYPES",
+    "NativeStatus",
+    "StepArgs",
+    "library_filename",
+    "native_status",
+    "cpu_level_name",
+    "force_level",
+    "native_step",
+]
+
+#: ABI version the Python side expects from ``gefen_abi_version()``.
+ABI_VERSION = 1
+#: Environment variable naming another build of the library.
+LIBRARY_ENV = "GEFEN_NATIVE_LIB"
+#: Environment variable that disables the native backend when set to ``"0"``.
+DISABLE_ENV = "GEFEN_NATIVE"
+#: Parameter and gradient dtypes the library handles (codes in its ``DT_*`` enum).
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KINDS = {"block": 0, "factored": 1, "momentum": 2}
+_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
+class StepArgs(ctypes.Structure):
+    """The C ``gefen_step_args`` record, field by field (see the C source for each field's meaning)."""
+
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("v_row", ctypes.c_void_p),
+        ("v_col", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("codebook", ctypes.c_void_p),
+        ("lut", ctypes.c_void_p),
+        ("thresholds", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("period", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("param_dtype", ctypes.c_int64),
+        ("grad_dtype", ctypes.c_int64),
+        ("steps", ctypes.c_int64),
+        ("lerp_high", ctypes.c_int64),
+        ("kind", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+        ("w", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("one_minus_beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("step", ctypes.c_float),
+        ("inv_root_bc2", ctypes.c_float),
+        ("inv_bc1", ctypes.c_float),
+        ("bc2", ctypes.c_float),
+        ("pad_", ctypes.c_float),
+    ]
+
+
+def library_filename() -> str:
+    """File name of the shared library on this platform (``libgefen_kernels.so``/``.dylib``/``gefen_kernels.dll``)."""
+    if sys.platform == "win32":
+        return "gefen_kernels.dll"
+    return "libgefen_kernels.dylib" if sys.platform == "darwin" else "libgefen_kernels.so"
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Whether the native backend can run here, and why not.
+
+    Attributes:
+        available: the library loaded and passed its ABI check.
+        reason: why it is unavailable (empty when available).
+        level: the CPU path it dispatches to (``"avx512"``, ``"avx2"``, ``"scalar"``; empty when unavailable).
+        threaded: it found the process's OpenMP runtime (else its loops run on the calling thread).
+        path: the library file (empty when none was found).
+    """
+
+    available: bool
+    reason: str
+    level: str = ""
+    threaded: bool = False
+    path: str = ""
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime already loaded into this process (torch's), opened without loading a second one."""
+    if not sys.platform.startswith("linux"):
+        return None
+    names = ("libgomp", "libiomp5", "libomp")
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if any(n in line for n in names) and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib.GOMP_parallel  # noqa: B018  (raises AttributeError when absent)
+            lib.omp_get_thread_num  # noqa: B018
+            lib.omp_get_num_threads  # noqa: B018
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
+    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
+        return None, NativeStatus(False, f"disabled by {DISABLE_ENV}=0")
+    override = os.environ.get(LIBRARY_ENV, "").strip()
+    path = Path(override) if override else Path(__file__).with_name(library_filename())
+    if not path.is_file():
+        where = f"{LIBRARY_ENV}={override}" if override else f"{path.name} next to {Path(__file__).parent}"
+        return None, NativeStatus(
+            False,
+            f"the native library is missing ({where}); it is built by 'pip install' when a C compiler is present",
+        )
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, NativeStatus(False, f"the native library {path} could not be loaded: {exc}", path=str(path))
+    try:
+        lib.gefen_abi_version.restype = ctypes.c_int
+        version = lib.gefen_abi_version()
+    except AttributeError:
+        return None, NativeStatus(False, f"{path} is not a gefen kernel library", path=str(path))
+    if version != ABI_VERSION:
+        reason = f"{path} has ABI version {version}, this gefen expects {ABI_VERSION}: reinstall gefen"
+        return None, NativeStatus(False, reason, path=str(path))
+    lib.gefen_step.argtypes = [ctypes.POINTER(StepArgs)]
+    lib.gefen_step.restype = ctypes.c_int
+    lib.gefen_cpu_level.restype = ctypes.c_int
+    lib.gefen_force_level.argtypes = [ctypes.c_int]
+    lib.gefen_force_level.restype = ctypes.c_int
+    lib.gefen_set_threading.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    omp = _openmp_runtime()
+    if omp is not None:
+        address = ctypes.cast
+        lib.gefen_set_threading(
+            address(omp.GOMP_parallel, ctypes.c_void_p),
+            address(omp.omp_get_thread_num, ctypes.c_void_p),
+            address(omp.omp_get_num_threads, ctypes.c_void_p),
+        )
+    level = _LEVELS.get(lib.gefen_cpu_level(), "scalar")
+    return lib, NativeStatus(True, "", level, omp is not None, str(path))
+
+
+def native_status() -> NativeStatus:
+    """Load the library once and report whether the native backend is available (never raises)."""
+    return _load()[1]
+
+
+def cpu_level_name() -> str:
+    """The CPU path in use now (``"avx512"``, ``"avx2"`` or ``"scalar"``), honouring :func:`force_level`.
+
+    Raises:
+        RuntimeError: the library is unavailable (see :func:`native_status`).
+    """
+    lib = _require()
+    return _LEVELS[lib.gefen_force_level(_forced[0])]
+
+
+_forced = [-1]
+
+
+def force_level(level: str | None) -> str:
+    """Use at most the CPU path ``level`` (``"scalar"``, ``"avx2"``, ``"avx512"``) or the best one (``None``).
+
+    For tests and benchmarks: every path the CPU supports can be checked against the reference on one machine.
+    A level above what the CPU supports means the best supported one.
+
+    Returns:
+        The path now in use.
+
+    Raises:
+        RuntimeError: the library is unavailable. ValueError: an unknown level name.
+    """
+    lib = _require()
+    codes = {name: code for code, name in _LEVELS.items()}
+    if level is not None and level not in codes:
+        raise ValueError(f"unknown CPU level {level!r}; expected one of {sorted(codes)} or None")
+    _forced[0] = -1 if level is None else codes[level]
+    return _LEVELS[lib.gefen_force_level(_forced[0])]
+
+
+def _require() -> ctypes.CDLL:
+    lib, status = _load()
+    if lib is None:
+        raise RuntimeError(f"gefen native backend unavailable: {status.reason}")
+    return lib
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def native_step(
+    kind: str,
+    *,
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    tables: tuple[Tensor, Tensor, Tensor],
+    steps: int,
+    period: int,
+    beta1: float,
+    param: Tensor | None = None,
+    second: tuple[Tensor, ...] = (),
+    out: Tensor | None = None,
+    shape: tuple[int, int] = (0, 0),
+    beta2: float = 0.0,
+    eps: float = 1.0,
+    lr: float = 0.0,
+    weight_decay: float = 0.0,
+    step: int = 1,
+) -> None:
+    """One native step of one parameter (or GefenMuon's momentum), in place.
+
+    Args:
+        kind: ``"block"`` (§6.2), ``"factored"`` (§6.4) or ``"momentum"`` (§7.1 step 2: codes, magnitudes and
+            ``out`` only).
+        grad: (N,) contiguous gradient, fp32/bf16/fp16.
+        codes: (B, P) uint8; scale: (B,) fp32 (contiguous) — the first moment, updated in place.
+        tables: ``(codebook (256,) fp32, lut (4097,) int32, thresholds fp32)`` on the CPU, contiguous.
+        steps: compares after the bucket look-up (:class:`gefen.math.lookup.NearestCodeTable`).
+        period: block length ``P``.
+        beta1: the first-moment decay ``β1`` (Muon: ``momentum``); the EMA weight is ``1 − β1``.
+        param: (N,) contiguous parameter, fp32/bf16/fp16 (not for ``"momentum"``).
+        second: ``(v,)`` (B,) for block; ``(v_row, v_col)`` (R,), (C,) for factored; fp32, updated in place.
+        out: (N,) fp32 receiving ``m̂`` (``"momentum"`` only).
+        shape: ``(R, C)`` of a factored parameter.
+        beta2, eps, lr, weight_decay: the group's hyperparameters (Python floats).
+        step: the parameter's step counter after increment (``t >= 1``), for the bias corrections.
+
+    Raises:
+        RuntimeError: the library is unavailable or rejected the arguments (nothing was changed then).
+
+    Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.reference`.
+    """
+    lib = _require()
+    codebook, lut, thresholds = tables
+    numel = grad.numel()
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    w = _f32(1.0 - beta1)
+    args = StepArgs(
+        param=_ptr(param),
+        grad=grad.data_ptr(),
+        codes=codes.data_ptr(),
+        scale=scale.data_ptr(),
+        v=_ptr(second[0]) if kind == "block" else None,
+        v_row=_ptr(second[0]) if kind == "factored" else None,
+        v_col=_ptr(second[1]) if kind == "factored" else None,
+        out=_ptr(out),
+        codebook=codebook.data_ptr(),
+        lut=lut.data_ptr(),
+        thresholds=thresholds.data_ptr(),
+        numel=numel,
+        period=period,
+        rows=shape[0],
+        cols=shape[1],
+        param_dtype=NATIVE_DTYPES[param.dtype] if param is not None else 0,
+        grad_dtype=NATIVE_DTYPES[grad.dtype],
+        steps=steps,
+        lerp_high=int(abs(w) >= 0.5),
+        kind=_KINDS[kind],
+        threads=torch.get_num_threads(),
+        w=w,
+        beta2=_f32(beta2),
+        one_minus_beta2=_f32(1.0 - beta2),
+        eps=_f32(eps),
+        decay=_f32(1.0 - lr * weight_decay),
+        step=_f32(-lr * (1.0 / bc1)) if kind == "factored" else _f32(-lr),
+        inv_root_bc2=float(np.float32(1.0) / np.float32(math.sqrt(bc2))) if kind == "block" else 1.0,
+        inv_bc1=_f32(1.0 / bc1),
+        bc2=_f32(bc2),
+    )
+    rc = lib.gefen_step(ctypes.byref(args))
+    if rc != 0:
+        raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")
