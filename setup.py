@@ -41,9 +41,11 @@ def compile_library(source: Path, output: Path, extra: list[str] | None = None) 
     """Compile ``source`` into the shared library ``output`` with the system C compiler (``$CC``, else cc/gcc)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
     root = str(Path(__file__).resolve().parent)
-    flags = CFLAGS + [f"-ffile-prefix-map={root}=.", "-shared", "-o", str(output), str(source), "-lm"]
     output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")  # then renamed: a loaded library is never overwritten
+    flags = CFLAGS + [f"-ffile-prefix-map={root}=.", "-shared", "-o", str(partial), str(source), "-lm"]
     subprocess.run([compiler, *flags, *(extra or [])], check=True, capture_output=True, text=True)
+    os.replace(partial, output)
 
 
 class BuildNative(build_ext):
@@ -64,8 +66,19 @@ class BuildNative(build_ext):
             )
 
 
+    def _built(self, paths: list[str]) -> list[str]:
+        return [p for p in paths if not p.endswith(library_name()) or Path(p).is_file()]
+
+    def get_outputs(self) -> list[str]:  # a library that could not be built is not an output
+        return self._built(super().get_outputs())
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {k: v for k, v in super().get_output_mapping().items() if Path(v).is_file() or Path(k).is_file()}
+
+
 class PlatformWheel(bdist_wheel):
-    """``py3-none-<platform>``: the library depends on the platform, not on the Python ABI."""
+    """``py3-none-<platform>``: the library depends on the platform, not on the Python ABI (``py3-none-any`` when
+    it could not be built)."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -73,10 +86,11 @@ class PlatformWheel(bdist_wheel):
 
     def get_tag(self) -> tuple[str, str, str]:
         _, _, plat = super().get_tag()
-        return "py3", "none", plat
+        built = any(Path(self.bdist_dir).rglob(library_name())) if self.bdist_dir else True
+        return ("py3", "none", plat) if built else ("py3", "none", "any")
 
 
 setup(
-    ext_modules=[Extension("gefen.kernels._native_library", sources=[SOURCE])],
+    ext_modules=[Extension("gefen.kernels._native_library", sources=[SOURCE], optional=True)],
     cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
 )

@@ -175,7 +175,10 @@ def test_fused_true_compile_failure_refuses_the_step_and_changes_nothing(monkeyp
 
 
 def test_fused_none_compile_failure_warns_once_and_runs_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend="auto"`` chooses the compiled step on CUDA; a compile failure there warns once and runs eagerly.
+    (On the CPU auto chooses the native backend, so the CUDA choice is simulated here.)"""
     monkeypatch.setattr(gefen.compiled.torch, "compile", _failing_compile)
+    monkeypatch.setattr(gefen.optim.gefen, "auto_backend", lambda param, grad_dtype, default: ("compiled", ""))
     monkeypatch.setenv(FUSED_ENV, "1")
     p = torch.nn.Parameter(torch.randn(48, 64))
     q = torch.nn.Parameter(p.detach().clone())

@@ -2,9 +2,10 @@
 
 The library (source: ``gefen/kernels/_native/gefen_kernels.c``) holds one Gefen step per parameter (block-shared or
 factored second moment, algorithm.md §6.2 / §6.4) and GefenMuon's quantized momentum (§7.1 step 2), for fp32, bf16
-and fp16 parameters and gradients, with run-time dispatch on the CPU's features: AVX-512 (F/BW/VL), AVX2 + FMA +
-F16C, or portable scalar C. It uses no Python C-API and no torch C++ ABI, so one binary serves every supported
-Python and torch version; it is given data pointers and one :class:`StepArgs` record.
+and fp16 parameters and gradients, with run-time dispatch on the CPU's features: AVX-512 with VBMI (table look-ups
+by byte shuffles), AVX-512 (F/BW/VL, gathers), AVX2 + FMA + F16C, or portable scalar C. It uses no Python C-API
+and no torch C++ ABI, so one binary serves every supported Python and torch version; it is given data pointers and
+one :class:`StepArgs` record.
 
 Threads: the library runs its parallel loops on the process's own OpenMP runtime (the one torch loaded; found in
 the process's memory map and opened with ``RTLD_NOLOAD``, so a second runtime is never loaded), with
@@ -55,7 +56,7 @@ DISABLE_ENV = "GEFEN_NATIVE"
 #: Parameter and gradient dtypes the library handles (codes in its ``DT_*`` enum).
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = {"block": 0, "factored": 1, "momentum": 2}
-_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
+_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512vbmi"}
 
 
 class StepArgs(ctypes.Structure):
@@ -110,7 +111,8 @@ class NativeStatus:
     Attributes:
         available: the library loaded and passed its ABI check.
         reason: why it is unavailable (empty when available).
-        level: the CPU path it dispatches to (``"avx512"``, ``"avx2"``, ``"scalar"``; empty when unavailable).
+        level: the CPU path it dispatches to (``"avx512vbmi"``, ``"avx512"``, ``"avx2"``,
+            ``"scalar"``; empty when unavailable).
         threaded: it found the process's OpenMP runtime (else its loops run on the calling thread).
         path: the library file (empty when none was found).
     """
@@ -192,7 +194,8 @@ def native_status() -> NativeStatus:
 
 
 def cpu_level_name() -> str:
-    """The CPU path in use now (``"avx512"``, ``"avx2"`` or ``"scalar"``), honouring :func:`force_level`.
+    """The CPU path in use now (``"avx512vbmi"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``), honouring
+    :func:`force_level`.
 
     Raises:
         RuntimeError: the library is unavailable (see :func:`native_status`).
@@ -205,7 +208,8 @@ _forced = [-1]
 
 
 def force_level(level: str | None) -> str:
-    """Use at most the CPU path ``level`` (``"scalar"``, ``"avx2"``, ``"avx512"``) or the best one (``None``).
+    """Use at most the CPU path ``level`` (``"scalar"``, ``"avx2"``, ``"avx512"``, ``"avx512vbmi"``) or the best
+    one (``None``).
 
     For tests and benchmarks: every path the CPU supports can be checked against the reference on one machine.
     A level above what the CPU supports means the best supported one.
@@ -237,6 +241,64 @@ def _f32(x: float) -> float:
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _check_arguments(
+    kind: str,
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    tables: tuple[Tensor, Tensor, Tensor],
+    steps: int,
+    period: int,
+    param: Tensor | None,
+    second: tuple[Tensor, ...],
+    out: Tensor | None,
+    shape: tuple[int, int],
+) -> None:
+    """Refuse any argument that would make the library read or write out of bounds (it trusts its record).
+
+    Raises:
+        ValueError: a tensor of the wrong size, dtype, device or layout, or an inconsistent period/shape.
+    """
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"native_step({kind!r}): {what}")
+
+    def plain(t: Tensor, name: str, dtype: torch.dtype | None, numel: int) -> None:
+        need(t.device.type == "cpu" and t.is_contiguous(), f"{name} must be a contiguous CPU tensor")
+        need(dtype is None or t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+        need(t.numel() == numel, f"{name} has {t.numel()} elements, expected {numel}")
+
+    need(kind in _KINDS, f"unknown kind {kind!r}")
+    numel = grad.numel()
+    need(numel > 0 and period > 0 and numel % period == 0, f"period {period} must divide numel {numel} > 0")
+    need(grad.dtype in NATIVE_DTYPES, f"grad dtype {grad.dtype} is not supported")
+    plain(grad, "grad", None, numel)
+    plain(codes, "codes", torch.uint8, numel)
+    plain(scale, "scale", torch.float32, numel // period)
+    codebook, lut, thresholds = tables
+    plain(codebook, "codebook", torch.float32, 256)
+    plain(lut, "lut", torch.int32, 4097)
+    plain(thresholds, "thresholds", torch.float32, 255 + steps)
+    need(0 <= steps <= 255, f"steps {steps} out of range")
+    if kind == "momentum":
+        need(out is not None, "out is required")
+        assert out is not None
+        plain(out, "out", torch.float32, numel)
+        return
+    need(param is not None and param.dtype in NATIVE_DTYPES, "param must be a float32/bfloat16/float16 tensor")
+    assert param is not None
+    plain(param, "param", None, numel)
+    if kind == "block":
+        need(len(second) == 1, "block needs (v,)")
+        plain(second[0], "v", torch.float32, numel // period)
+    else:
+        rows, cols = shape
+        need(len(second) == 2 and rows * cols == numel and rows > 0, f"factored needs (v_row, v_col) and {shape=}")
+        plain(second[0], "v_row", torch.float32, rows)
+        plain(second[1], "v_col", torch.float32, cols)
 
 
 def native_step(
@@ -278,6 +340,7 @@ def native_step(
         step: the parameter's step counter after increment (``t >= 1``), for the bias corrections.
 
     Raises:
+        ValueError: an argument that does not fit the others (size, dtype, device, layout); nothing was changed.
         RuntimeError: the library is unavailable or rejected the arguments (nothing was changed then).
 
     Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.reference`.
@@ -285,6 +348,7 @@ def native_step(
     lib = _require()
     codebook, lut, thresholds = tables
     numel = grad.numel()
+    _check_arguments(kind, grad, codes, scale, tables, steps, period, param, second, out, shape)
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     w = _f32(1.0 - beta1)
     args = StepArgs(

@@ -30,6 +30,7 @@ from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
+from gefen.kernels import group_backend
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
@@ -284,10 +285,10 @@ class GefenOptimizer(torch.optim.Optimizer):
                     f"{self.kind}(capturable=True) does not step sharded (DTensor) parameters: their first step "
                     "and Muon's gathers run collectives on the host. Use capturable=False with FSDP2."
                 )
-            if group.get("fused") is True:
+            if group_backend(group) == "compiled":
                 raise ConfigError(
-                    f"{where}['params'][{i}] is a DTensor; fused=True covers plain tensors only (sharded "
-                    "parameters run the eager step). Pass fused=None or fused=False."
+                    f"{where}['params'][{i}] is a DTensor; fused=True covers plain tensors only (backend='compiled'; "
+                    "sharded parameters run natively on the CPU or eagerly). Pass backend='auto' or 'eager'."
                 )
 
     @staticmethod

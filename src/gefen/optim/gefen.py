@@ -495,9 +495,13 @@ class Gefen(GefenOptimizer):
         try:
             default = fused_by_default() if any(group_backend(group) == "auto" for _, group in jobs) else False
             for item, group in jobs:
-                if item.shard is not None:  # sharded parameters run the eager step
-                    continue
                 backend = group_backend(group)
+                if item.shard is not None:  # sharded parameters: this rank's rows natively, or the eager step
+                    distributed = group.get("sharded_mode") == "distributed"  # GefenMuon's owner buckets: eager
+                    unsupported = native_supports(item.target, item.grad.dtype)
+                    if backend in ("auto", "native") and not distributed and not unsupported:
+                        chosen[id(item.param)] = "native"
+                    continue
                 if backend == "auto":
                     backend, reason = auto_backend(item.param, item.grad.dtype, default)
                     if reason and not self._warned_native:
@@ -566,31 +570,32 @@ class Gefen(GefenOptimizer):
         table = self._nearest_table(cpu)
         tables = (table.codebook, table.lut, table.thresholds)
         for item, group in jobs:
-            view = ParamState.from_dict(self.state[item.param])
+            view = ParamState.from_dict(local_state(self.state[item.param]))
             beta1, beta2 = (as_float(b) for b in group["betas"])
-            param = item.param.detach()
-            work = param if param.is_contiguous() else param.contiguous()
-            factored = view.kind == "factored"
-            native_step(
-                "factored" if factored else "block",
-                grad=kernel_grad(item.grad, (param.numel(),)),
-                codes=view.codes,
-                scale=view.scale,
-                tables=tables,
-                steps=table.steps,
-                period=view.period,
-                beta1=beta1,
-                param=work.view(-1),
-                second=(view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,),
-                shape=tuple(param.shape) if factored else (0, 0),
-                beta2=beta2,
-                eps=as_float(group["eps"]),
-                lr=as_float(group["lr"]),
-                weight_decay=as_float(group["weight_decay"]),
-                step=int(view.step) + 1,
-            )
-            if work is not param:
-                param.copy_(work)
+            param = item.target.detach()  # this rank's rows of a sharded parameter
+            if param.numel() > 0:
+                work = param if param.is_contiguous() else param.contiguous()
+                factored = view.kind == "factored"
+                native_step(
+                    "factored" if factored else "block",
+                    grad=kernel_grad(item.grad, (param.numel(),)),
+                    codes=view.codes,
+                    scale=view.scale,
+                    tables=tables,
+                    steps=table.steps,
+                    period=view.period,
+                    beta1=beta1,
+                    param=work.view(-1),
+                    second=(view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,),
+                    shape=tuple(param.shape) if factored else (0, 0),
+                    beta2=beta2,
+                    eps=as_float(group["eps"]),
+                    lr=as_float(group["lr"]),
+                    weight_decay=as_float(group["weight_decay"]),
+                    step=int(view.step) + 1,
+                )
+                if work is not param:
+                    param.copy_(work)
             view.step.add_(1)
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:

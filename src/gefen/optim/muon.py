@@ -184,9 +184,11 @@ class GefenMuon(Gefen):
         table = self._nearest_table(torch.device("cpu"))
         blocks = tuple(view.codes.shape)
         out = torch.empty(blocks, dtype=torch.float32)
+        if out.numel() == 0:  # a rank without rows of a sharded parameter
+            return out
         native_step(
             "momentum",
-            grad=kernel_grad(item.grad, (item.param.numel(),)),
+            grad=kernel_grad(item.grad, (item.grad.numel(),)),
             codes=view.codes,
             scale=view.scale,
             tables=(table.codebook, table.lut, table.thresholds),

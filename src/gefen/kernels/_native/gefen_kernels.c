@@ -37,7 +37,7 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
-enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
 enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2 };
 
 /* The argument record. Must match gefen/kernels/native.py (StepArgs) field by field. */
@@ -185,34 +185,59 @@ static inline void finish1(const gefen_step_args *a, int64_t e, float m, float i
 }
 
 /* ------------------------------------------------------------------ per-block driver, shared by every ISA */
+typedef struct vbmi_tables vbmi_tables;
 typedef struct {
     const gefen_step_args *a;
     const float *row_root, *col_root;
     int64_t blocks_per_task;
     int level;
+    const vbmi_tables *vt; /* LEVEL_VBMI only */
 } block_ctx;
 
-/* pass 1 over [j0, j1) of block b: m into buf, returns max|m| (NaN-propagating) and adds sum g^2 to *sq */
-typedef float (*pass1_fn)(const gefen_step_args *, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
-                          float *sq);
+/* Pass 1 over a whole block [base, base + P): m into buf[0..P), returns max|m| (NaN-propagating) and stores the sum
+ * of g^2 in *sq. The sum has one order on every ISA: 16 lanes (lane l takes the elements j < P - P % 16 with
+ * j % 16 == l, each by fma), the lanes added in order 0..15, then the last P % 16 elements one by one (fma). */
+typedef float (*pass1_fn)(const gefen_step_args *, int64_t base, int64_t P, float a_old, float *buf, float *sq);
 /* pass 2 over [j0, j1) of block b (one row segment when factored) */
 typedef void (*pass2_fn)(const gefen_step_args *, int64_t base, int64_t j0, int64_t j1, const float *buf,
                          float denom, float amag, float s, const float *col_root, float row_root, int64_t c0);
 
-static float pass1_scalar(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
-                          float *sq) {
-    float mx = 0.0f, acc = 0.0f;
+/* Elements [j0, P) one by one: m into buf, max|m| and NaN into mx and nan, g^2 added to total in order. */
+static void pass1_tail(const gefen_step_args *a, int64_t base, int64_t j0, int64_t P, float a_old, float *buf,
+                       float *total, float *mx, int *nan) {
+    for (int64_t j = j0; j < P; j++) {
+        float g = load1(a->grad, base + j, a->grad_dtype);
+        float m = ema1(a, a->codebook[a->codes[base + j]] * a_old, g);
+        buf[j] = m;
+        float am = fabsf(m);
+        if (am != am) *nan = 1;
+        else if (am > *mx) *mx = am;
+        *total = fmaf(g, g, *total);
+    }
+}
+
+static inline float sum16(const float lanes[16]) {
+    float total = 0.0f;
+    for (int k = 0; k < 16; k++) total += lanes[k];
+    return total;
+}
+
+static float pass1_scalar(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf, float *sq) {
+    float lanes[16] = {0}, mx = 0.0f;
     int nan = 0;
-    for (int64_t j = j0; j < j1; j++) {
+    const int64_t full = P - P % 16;
+    for (int64_t j = 0; j < full; j++) {
         float g = load1(a->grad, base + j, a->grad_dtype);
         float m = ema1(a, a->codebook[a->codes[base + j]] * a_old, g);
         buf[j] = m;
         float am = fabsf(m);
         if (am != am) nan = 1;
         else if (am > mx) mx = am;
-        acc = fmaf(g, g, acc);
+        lanes[j & 15] = fmaf(g, g, lanes[j & 15]);
     }
-    *sq += acc;
+    float total = sum16(lanes);
+    pass1_tail(a, base, full, P, a_old, buf, &total, &mx, &nan);
+    *sq = total;
     return nan ? NAN : mx;
 }
 
@@ -250,13 +275,13 @@ T2 static inline void st8(void *p, int64_t i, int64_t dt, __m256 x) {
 }
 T2 static inline __m256i codes8(const uint8_t *c) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)); }
 
-T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old, float *buf,
-                           float *sq) {
+T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf, float *sq) {
     const __m256 vw = _mm256_set1_ps(a->lerp_high ? a->w - 1.0f : a->w), vold = _mm256_set1_ps(a_old);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 mx = _mm256_setzero_ps(), acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    int64_t j = j0;
-    for (; j + 8 <= j1; j += 8) {
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* lanes 0-7 and 8-15 */
+    const int64_t full = P - P % 16;
+    for (int64_t j = 0; j < full; j += 8) {
         __m256 g = ld8(a->grad, base + j, a->grad_dtype);
         __m256 mo = _mm256_mul_ps(_mm256_i32gather_ps(a->codebook, codes8(a->codes + base + j), 4), vold);
         __m256 d = _mm256_sub_ps(g, mo);
@@ -264,21 +289,19 @@ T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t j0, i
         _mm256_storeu_ps(buf + j, m);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
         mx = _mm256_max_ps(mx, _mm256_and_ps(m, absmask));
-        acc = _mm256_fmadd_ps(g, g, acc);
+        acc[(j >> 3) & 1] = _mm256_fmadd_ps(g, g, acc[(j >> 3) & 1]);
     }
-    float lanes[8], sums[8];
-    _mm256_storeu_ps(lanes, mx);
-    _mm256_storeu_ps(sums, acc);
-    float m_out = 0.0f, s_out = 0.0f;
-    for (int k = 0; k < 8; k++) {
-        if (lanes[k] > m_out) m_out = lanes[k];
-        s_out += sums[k];
-    }
-    *sq += s_out;
+    float lanes[16], maxes[8], m_out = 0.0f;
+    _mm256_storeu_ps(lanes, acc[0]);
+    _mm256_storeu_ps(lanes + 8, acc[1]);
+    _mm256_storeu_ps(maxes, mx);
+    for (int k = 0; k < 8; k++)
+        if (maxes[k] > m_out) m_out = maxes[k];
     int has_nan = _mm256_movemask_ps(nan) != 0;
-    float tail = pass1_scalar(a, base, j, j1, a_old, buf, sq);
-    if (has_nan || tail != tail) return NAN;
-    return tail > m_out ? tail : m_out;
+    float total = sum16(lanes);
+    pass1_tail(a, base, full, P, a_old, buf, &total, &m_out, &has_nan);
+    *sq = total;
+    return has_nan ? NAN : m_out;
 }
 
 T2 static inline __m256i nearest8(const gefen_step_args *a, __m256 u) {
@@ -326,13 +349,13 @@ T2 static void pass2_avx2(const gefen_step_args *a, int64_t base, int64_t j0, in
 
 /* ---------------- AVX-512 (F, BW, VL): 16 lanes */
 #define T5 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-T5 static inline __m512 ld16(const void *p, int64_t i, int64_t dt) {
+T5 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, int64_t dt) {
     if (dt == DT_F32) return _mm512_loadu_ps((const float *)p + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
-T5 static inline void st16(void *p, int64_t i, int64_t dt, __m512 x) {
+T5 static inline __attribute__((always_inline)) void st16(void *p, int64_t i, int64_t dt, __m512 x) {
     if (dt == DT_F32) {
         _mm512_storeu_ps((float *)p + i, x);
         return;
@@ -351,32 +374,42 @@ T5 static inline void st16(void *p, int64_t i, int64_t dt, __m512 x) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
 }
 
-T5 static float pass1_avx512(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, float a_old,
-                             float *buf, float *sq) {
+/* The 16-lane part of pass 1 over [j0, full) with gathers, continuing the accumulators of a caller. */
+T5 static inline __attribute__((always_inline)) void pass1_lanes16(const gefen_step_args *a, int64_t base, int64_t j0,
+                                                                  int64_t full, float a_old, float *buf, __m512 *mx,
+                                                                  __m512 *acc, __mmask16 *nan) {
     const __m512 vw = _mm512_set1_ps(a->lerp_high ? a->w - 1.0f : a->w), vold = _mm512_set1_ps(a_old);
-    __m512 mx = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    int64_t j = j0;
-    for (; j + 16 <= j1; j += 16) {
+    for (int64_t j = j0; j < full; j += 16) {
         __m512 g = ld16(a->grad, base + j, a->grad_dtype);
         __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a->codes + base + j)));
         __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, a->codebook, 4), vold);
         __m512 d = _mm512_sub_ps(g, mo);
         __m512 m = _mm512_fmadd_ps(vw, d, a->lerp_high ? g : mo);
         _mm512_storeu_ps(buf + j, m);
-        nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(m));
-        acc = _mm512_fmadd_ps(g, g, acc);
+        *nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        *mx = _mm512_max_ps(*mx, _mm512_abs_ps(m));
+        *acc = _mm512_fmadd_ps(g, g, *acc);
     }
-    float m_out = _mm512_reduce_max_ps(mx);
+}
+
+/* Lane reduction and the scalar tail shared by the AVX-512 passes. */
+T5 static inline float pass1_finish512(const gefen_step_args *a, int64_t base, int64_t full, int64_t P, float a_old,
+                                       float *buf, __m512 mx, __m512 acc, __mmask16 nan, float *sq) {
     float lanes[16];
     _mm512_storeu_ps(lanes, acc);
-    float s_out = 0.0f;
-    for (int k = 0; k < 16; k++) s_out += lanes[k];
-    *sq += s_out;
-    float tail = pass1_scalar(a, base, j, j1, a_old, buf, sq);
-    if (nan || tail != tail) return NAN;
-    return tail > m_out ? tail : m_out;
+    float total = sum16(lanes), m_out = _mm512_reduce_max_ps(mx);
+    int has_nan = nan != 0;
+    pass1_tail(a, base, full, P, a_old, buf, &total, &m_out, &has_nan);
+    *sq = total;
+    return has_nan ? NAN : m_out;
+}
+
+T5 static float pass1_avx512(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf, float *sq) {
+    __m512 mx = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    const int64_t full = P - P % 16;
+    pass1_lanes16(a, base, 0, full, a_old, buf, &mx, &acc, &nan);
+    return pass1_finish512(a, base, full, P, a_old, buf, mx, acc, nan, sq);
 }
 
 T5 static inline __m512i nearest16(const gefen_step_args *a, __m512 u) {
@@ -419,6 +452,260 @@ T5 static void pass2_avx512(const gefen_step_args *a, int64_t base, int64_t j0, 
     }
     pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
 }
+
+/* ---------------- AVX-512 VBMI: 64 elements at a time, table look-ups by byte shuffles instead of gathers.
+ * A 256-entry fp32 table is held as 4 byte planes (plane k = byte k of every entry), 4 x 64 bytes each; one plane
+ * is looked up for 64 uint8 indices by two vpermt2b (entries 0-127 and 128-255) and a blend on bit 7. The 4 planes
+ * are re-assembled into floats by byte/word unpacks, which work inside 128-bit lanes; the indices are permuted
+ * first (PERM64) so that the floats come out in element order. */
+#define TV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+
+typedef struct {
+    __m512i p[4][4]; /* plane k, 64-byte part q (entries 64q .. 64q+63) */
+} planes256;
+
+TV static void make_planes(planes256 *t, const float *table) {
+    uint8_t bytes[4][256];
+    for (int i = 0; i < 256; i++) {
+        uint32_t b = f_bits(table[i]);
+        for (int k = 0; k < 4; k++) bytes[k][i] = (uint8_t)(b >> (8 * k));
+    }
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) t->p[k][q] = _mm512_loadu_si512((const void *)(bytes[k] + 64 * q));
+}
+
+/* permuted[16j + 4k + q] = element[16k + 4j + q] (a 4x4 transpose of groups of 4; its own inverse) */
+TV static inline __attribute__((always_inline)) __m512i perm64(__m512i x) {
+    static const uint8_t order[64] = {0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+                                      4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+                                      8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+                                      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    return _mm512_permutexvar_epi8(_mm512_loadu_si512((const void *)order), x);
+}
+
+/* table[idx] for 64 uint8 indices given in perm64 order; out[k] = elements 16k .. 16k+15 as fp32 */
+TV static inline __attribute__((always_inline)) __m512i plane(const planes256 *t, int k, __m512i pidx,
+                                                              __mmask64 high) {
+    __m512i lo = _mm512_permutex2var_epi8(t->p[k][0], pidx, t->p[k][1]);
+    __m512i hi = _mm512_permutex2var_epi8(t->p[k][2], pidx, t->p[k][3]);
+    return _mm512_mask_blend_epi8(high, lo, hi);
+}
+TV static inline __attribute__((always_inline)) void lookup64(const planes256 *t, __m512i pidx, __m512 *o0,
+                                                             __m512 *o1, __m512 *o2, __m512 *o3) {
+    const __mmask64 high = _mm512_movepi8_mask(pidx);
+    const __m512i b0 = plane(t, 0, pidx, high), b1 = plane(t, 1, pidx, high);
+    const __m512i b2 = plane(t, 2, pidx, high), b3 = plane(t, 3, pidx, high);
+    const __m512i w01l = _mm512_unpacklo_epi8(b0, b1), w01h = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i w23l = _mm512_unpacklo_epi8(b2, b3), w23h = _mm512_unpackhi_epi8(b2, b3);
+    *o0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l));
+    *o1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l));
+    *o2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h));
+    *o3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
+}
+
+struct vbmi_tables {
+    planes256 codebook, thresholds;
+    __m512i base[4][4]; /* base[q]: first code index of buckets 256q .. 256q+255, as bytes */
+    int64_t buckets;    /* 256, 512 or 1024 uniform buckets over [-1, 1] */
+    int64_t steps;      /* compares after the bucket look-up (thresholds below 1 in one bucket, at most) */
+};
+
+/* A bucket table of its own for the byte-shuffle search: `buckets` uniform buckets (chosen per codebook for the
+ * fewest shuffles: a larger table costs 4 more per 256 entries, each compare step about 22), base[b] = number of
+ * thresholds whose bucket is below b. Any monotone bucket function gives the exact rule (see gefen.math.lookup). */
+TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
+    vbmi_tables *vt = (vbmi_tables *)aligned_alloc(64, sizeof(vbmi_tables));
+    if (!vt) return 0;
+    float thr[256];
+    for (int i = 0; i < 256; i++) thr[i] = (i < 255 + a->steps) ? a->thresholds[i] : INFINITY;
+    make_planes(&vt->codebook, a->codebook);
+    make_planes(&vt->thresholds, thr);
+    int64_t best_cost = -1;
+    for (int64_t nb = 256; nb <= 1024; nb *= 2) {
+        int32_t count[1024] = {0};
+        int64_t steps = 0;
+        for (int i = 0; i < 255; i++) {
+            if (!(thr[i] < 1.0f)) continue;
+            float t = (thr[i] + 1.0f) * (float)(nb / 2);
+            int64_t b = (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
+            if (++count[b] > steps) steps = count[b];
+        }
+        int64_t cost = (nb / 256) * 4 + 22 * steps;
+        if (best_cost >= 0 && cost >= best_cost) continue;
+        best_cost = cost;
+        vt->buckets = nb;
+        vt->steps = steps;
+        uint8_t base[1024];
+        int i = 0;
+        for (int64_t b = 0; b < nb; b++) { /* thresholds (all 255, +1 copies too) whose bucket is below b */
+            while (i < 255) {
+                float t = (thr[i] + 1.0f) * (float)(nb / 2);
+                int64_t tb = (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
+                if (tb >= b) break;
+                i++;
+            }
+            base[b] = (uint8_t)i;
+        }
+        for (int64_t q = 0; q < nb / 256; q++)
+            for (int r = 0; r < 4; r++) vt->base[q][r] = _mm512_loadu_si512((const void *)(base + 256 * q + 64 * r));
+    }
+    return vt;
+}
+
+/* table[idx] for 64 byte indices in element order -> 64 bytes in element order */
+TV static inline __m512i bytes256(const __m512i t[4], __m512i idx) {
+    __m512i lo = _mm512_permutex2var_epi8(t[0], idx, t[1]);
+    __m512i hi = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+}
+
+#define INLINE __attribute__((always_inline)) inline
+/* Pass 1 of a block, 64 elements at a time; gdt and high are compile-time constants at every call site below. */
+TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P,
+                                       float a_old, float *buf, float *sq, const int gdt, const int high) {
+    const float wv = a->w;
+    const __m512 vw = _mm512_set1_ps(high ? wv - 1.0f : wv), vold = _mm512_set1_ps(a_old);
+    const uint8_t *codes = a->codes + base;
+    const char *grad = (const char *)a->grad + base * (gdt == DT_F32 ? 4 : 2);
+    __m512 mx = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 64 <= P; j += 64) {
+        __m512 c[4];
+        lookup64(&vt->codebook, perm64(_mm512_loadu_si512((const void *)(codes + j))), &c[0], &c[1], &c[2], &c[3]);
+        for (int k = 0; k < 4; k++) {
+            __m512 g = ld16(grad, j + 16 * k, gdt);
+            __m512 mo = _mm512_mul_ps(c[k], vold);
+            __m512 d = _mm512_sub_ps(g, mo);
+            __m512 m = _mm512_fmadd_ps(vw, d, high ? g : mo);
+            _mm512_storeu_ps(buf + j + 16 * k, m);
+            nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(m));
+            acc = _mm512_fmadd_ps(g, g, acc);
+        }
+    }
+    const int64_t full = P - P % 16;
+    pass1_lanes16(a, base, j, full, a_old, buf, &mx, &acc, &nan);
+    return pass1_finish512(a, base, full, P, a_old, buf, mx, acc, nan, sq);
+}
+
+TV static float pass1_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P, float a_old,
+                           float *buf, float *sq) {
+    const int high = a->lerp_high != 0;
+    switch (a->grad_dtype * 2 + high) {
+    case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0);
+    case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1);
+    case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0);
+    case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1);
+    case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0);
+    default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1);
+    }
+}
+
+/* u = m / a for a whole block: Markstein's correction of m * (1/a) gives the correctly rounded quotient (checked
+ * against true division); outside [2^-64, 2^64] (or for a = 0, NaN, inf) true division is used. */
+TV static inline __attribute__((always_inline)) __m512 quotient16(__m512 m, __m512 den, __m512 inv, int exact) {
+    if (!exact) return _mm512_div_ps(m, den);
+    __m512 q = _mm512_mul_ps(m, inv);
+    __m512 r = _mm512_fnmadd_ps(q, den, m);
+    return _mm512_fmadd_ps(r, inv, q);
+}
+
+TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0,
+                                      int64_t j1, const float *buf, float denom, float amag, float s,
+                                      const float *col_root, float row_root, int64_t c0, const int kind,
+                                      const int pdt, const int buckets) {
+    uint8_t *const codes = a->codes;
+    float *const out = a->out;
+    void *const param = a->param;
+    const int64_t steps = vt->steps;
+    const __m512 vden = _mm512_set1_ps(denom), vmag = _mm512_set1_ps(amag), vs = _mm512_set1_ps(s);
+    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
+    const __m512 vinv = _mm512_set1_ps(1.0f / denom);
+    const __m512 vrow = _mm512_set1_ps(row_root), veps = _mm512_set1_ps(a->eps);
+    const __m512 vdecay = _mm512_set1_ps(a->decay), vstep = _mm512_set1_ps(a->step);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i zero = _mm512_setzero_si512(), ones8 = _mm512_set1_epi8(1);
+    const __m512 half_buckets = _mm512_set1_ps((float)(buckets / 2));
+    const __m512i last = _mm512_set1_epi32(buckets - 1), bit8 = _mm512_set1_epi32(256);
+    const __m512i bit9 = _mm512_set1_epi32(512);
+    int64_t j = j0;
+    for (; j + 64 <= j1; j += 64) {
+        __m512 u[4];
+        __m128i low[4];
+        __mmask64 hi8 = 0, hi9 = 0;
+        for (int k = 0; k < 4; k++) {
+            u[k] = quotient16(_mm512_loadu_ps(buf + j + 16 * k), vden, vinv, markstein);
+            __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u[k], one), half_buckets));
+            b = _mm512_min_epi32(_mm512_max_epi32(b, zero), last); /* NaN -> INT_MIN -> 0 */
+            low[k] = _mm512_cvtepi32_epi8(b);
+            hi8 |= (__mmask64)_mm512_test_epi32_mask(b, bit8) << (16 * k);
+            hi9 |= (__mmask64)_mm512_test_epi32_mask(b, bit9) << (16 * k);
+        }
+        __m512i key = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(low[0]), low[1], 1)),
+            _mm256_inserti128_si256(_mm256_castsi128_si256(low[2]), low[3], 1), 1);
+        __m512i idx = bytes256(vt->base[0], key);
+        if (buckets >= 512) idx = _mm512_mask_blend_epi8(hi8, idx, bytes256(vt->base[1], key));
+        if (buckets >= 1024) {
+            __m512i upper = _mm512_mask_blend_epi8(hi8, bytes256(vt->base[2], key), bytes256(vt->base[3], key));
+            idx = _mm512_mask_blend_epi8(hi9, idx, upper);
+        }
+        for (int64_t st = 0; st < steps; st++) {
+            __m512 t[4];
+            lookup64(&vt->thresholds, perm64(idx), &t[0], &t[1], &t[2], &t[3]);
+            __mmask64 pass = 0;
+            for (int k = 0; k < 4; k++)
+                pass |= (__mmask64)_mm512_cmp_ps_mask(t[k], u[k], _CMP_LT_OQ) << (16 * k);
+            idx = _mm512_mask_add_epi8(idx, pass, idx, ones8);
+        }
+        _mm512_storeu_si512((void *)(codes + base + j), idx);
+        __m512 c[4];
+        lookup64(&vt->codebook, perm64(idx), &c[0], &c[1], &c[2], &c[3]);
+        for (int k = 0; k < 4; k++) {
+            const int64_t e = base + j + 16 * k;
+            __m512 m_hat = _mm512_mul_ps(c[k], vmag);
+            if (kind == KIND_MOMENTUM) {
+                _mm512_storeu_ps(out + e, m_hat);
+                continue;
+            }
+            __m512 d;
+            if (kind == KIND_FACTORED) {
+                __m512 den =
+                    _mm512_add_ps(_mm512_mul_ps(vrow, _mm512_loadu_ps(col_root + c0 + (j - j0) + 16 * k)), veps);
+                d = _mm512_div_ps(m_hat, den);
+            } else {
+                d = _mm512_mul_ps(m_hat, vs);
+            }
+            __m512 p = _mm512_mul_ps(ld16(param, e, pdt), vdecay);
+            st16(param, e, pdt, _mm512_fmadd_ps(d, vstep, p));
+        }
+    }
+    pass2_avx512(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+TV static void pass2_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0, int64_t j1,
+                          const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
+                          int64_t c0) {
+#define P2(kind, pdt, nb) pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb)
+#define P2_NB(kind, pdt)                                                                                               \
+    do {                                                                                                               \
+        if (vt->buckets == 256) P2(kind, pdt, 256);                                                                    \
+        else if (vt->buckets == 512) P2(kind, pdt, 512);                                                               \
+        else P2(kind, pdt, 1024);                                                                                      \
+    } while (0)
+    if (a->kind == KIND_MOMENTUM) P2_NB(KIND_MOMENTUM, DT_F32);
+    else if (a->kind == KIND_FACTORED) {
+        if (a->param_dtype == DT_F32) P2_NB(KIND_FACTORED, DT_F32);
+        else if (a->param_dtype == DT_BF16) P2_NB(KIND_FACTORED, DT_BF16);
+        else P2_NB(KIND_FACTORED, DT_F16);
+    } else {
+        if (a->param_dtype == DT_F32) P2_NB(KIND_BLOCK, DT_F32);
+        else if (a->param_dtype == DT_BF16) P2_NB(KIND_BLOCK, DT_BF16);
+        else P2_NB(KIND_BLOCK, DT_F16);
+    }
+#undef P2_NB
+#undef P2
+}
 #endif /* GEFEN_X86 */
 
 /* ------------------------------------------------------------------ CPU level */
@@ -427,6 +714,9 @@ static int g_forced_level = -1;
 int gefen_cpu_level(void) {
 #if GEFEN_X86 && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (avx512 && __builtin_cpu_supports("avx512vbmi")) return LEVEL_VBMI;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return LEVEL_AVX512;
@@ -457,7 +747,7 @@ static void block_task(const void *ctx_, int64_t task) {
     pass1_fn p1 = pass1_scalar;
     pass2_fn p2 = pass2_scalar;
 #if GEFEN_X86
-    if (ctx->level == LEVEL_AVX512) {
+    if (ctx->level >= LEVEL_AVX512) {
         p1 = pass1_avx512;
         p2 = pass2_avx512;
     } else if (ctx->level == LEVEL_AVX2) {
@@ -468,10 +758,20 @@ static void block_task(const void *ctx_, int64_t task) {
     float stack_buf[1024];
     float *buf = P <= 1024 ? stack_buf : (float *)malloc((size_t)P * sizeof(float));
     if (!buf) return; /* checked up front by gefen_step (P <= numel), malloc failure leaves the block untouched */
+#if GEFEN_X86
+    const vbmi_tables *vt = ctx->level == LEVEL_VBMI ? ctx->vt : 0;
+    if (vt) p1 = pass1_avx512; /* the VBMI passes are called directly below */
+#else
+    const void *vt = 0;
+#endif
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * P;
         float sq = 0.0f;
-        float amag = p1(a, base, 0, P, a->scale[b], buf, &sq);
+#if GEFEN_X86
+        float amag = vt ? pass1_vbmi(a, vt, base, P, a->scale[b], buf, &sq) : p1(a, base, P, a->scale[b], buf, &sq);
+#else
+        float amag = p1(a, base, P, a->scale[b], buf, &sq);
+#endif
         float s = 0.0f;
         if (a->kind == KIND_BLOCK) {
             float mean = sq * (1.0f / (float)P);
@@ -486,11 +786,19 @@ static void block_task(const void *ctx_, int64_t task) {
             while (j < P) {
                 int64_t e = base + j, r = e / C, c = e - r * C;
                 int64_t len = C - c < P - j ? C - c : P - j;
-                p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+#if GEFEN_X86
+                if (vt) pass2_vbmi(a, vt, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+                else
+#endif
+                    p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
                 j += len;
             }
         } else {
-            p2(a, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
+#if GEFEN_X86
+            if (vt) pass2_vbmi(a, vt, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
+            else
+#endif
+                p2(a, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
         }
         a->scale[b] = amag;
     }
@@ -498,57 +806,63 @@ static void block_task(const void *ctx_, int64_t task) {
 }
 
 /* ------------------------------------------------------------------ factored statistics (pass A) */
-/* Sum of g^2 over one row [base, base + C) (returned) and g^2 added to the column partials col[0..C). */
-typedef float (*row_fn)(const gefen_step_args *, int64_t base, int64_t C, float *col);
+/* Sum of g^2 over one row [base, base + C) (returned) and g^2 added to the column partials col[0..C). Each g^2 is
+ * rounded to fp32 (as the reference squares in fp32) and accumulated in fp64, so the fp32 mean squares are the
+ * correctly rounded means up to rare ties, whatever the order: every ISA and thread count gives the same values. */
+typedef double (*row_fn)(const gefen_step_args *, int64_t base, int64_t C, double *col);
 
-static float row_sq_scalar_from(const gefen_step_args *a, int64_t base, int64_t c, int64_t C, float *col,
-                                float acc) {
+static double row_sq_scalar_from(const gefen_step_args *a, int64_t base, int64_t c, int64_t C, double *col,
+                                 double acc) {
     for (; c < C; c++) {
         float g = load1(a->grad, base + c, a->grad_dtype);
-        float g2 = g * g;
+        double g2 = (double)(g * g);
         acc += g2;
         col[c] += g2;
     }
     return acc;
 }
-static float row_sq_scalar(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
-    return row_sq_scalar_from(a, base, 0, C, col, 0.0f);
+static double row_sq_scalar(const gefen_step_args *a, int64_t base, int64_t C, double *col) {
+    return row_sq_scalar_from(a, base, 0, C, col, 0.0);
 }
 #if GEFEN_X86
-T5 static float row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
-    __m512 s16 = _mm512_setzero_ps();
+T5 static double row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, double *col) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
         __m512 g = ld16(a->grad, base + c, a->grad_dtype);
         __m512 g2 = _mm512_mul_ps(g, g);
-        s16 = _mm512_add_ps(s16, g2);
-        _mm512_storeu_ps(col + c, _mm512_add_ps(_mm512_loadu_ps(col + c), g2));
+        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g2));
+        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1)));
+        s0 = _mm512_add_pd(s0, lo);
+        s1 = _mm512_add_pd(s1, hi);
+        _mm512_storeu_pd(col + c, _mm512_add_pd(_mm512_loadu_pd(col + c), lo));
+        _mm512_storeu_pd(col + c + 8, _mm512_add_pd(_mm512_loadu_pd(col + c + 8), hi));
     }
-    float lanes[16], acc = 0.0f;
-    _mm512_storeu_ps(lanes, s16);
-    for (int k = 0; k < 16; k++) acc += lanes[k];
+    double acc = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
     return row_sq_scalar_from(a, base, c, C, col, acc);
 }
-T2 static float row_sq_avx2(const gefen_step_args *a, int64_t base, int64_t C, float *col) {
-    __m256 s8 = _mm256_setzero_ps();
+T2 static double row_sq_avx2(const gefen_step_args *a, int64_t base, int64_t C, double *col) {
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
     int64_t c = 0;
     for (; c + 8 <= C; c += 8) {
         __m256 g = ld8(a->grad, base + c, a->grad_dtype);
         __m256 g2 = _mm256_mul_ps(g, g);
-        s8 = _mm256_add_ps(s8, g2);
-        _mm256_storeu_ps(col + c, _mm256_add_ps(_mm256_loadu_ps(col + c), g2));
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(g2)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(g2, 1));
+        s0 = _mm256_add_pd(s0, lo);
+        s1 = _mm256_add_pd(s1, hi);
+        _mm256_storeu_pd(col + c, _mm256_add_pd(_mm256_loadu_pd(col + c), lo));
+        _mm256_storeu_pd(col + c + 4, _mm256_add_pd(_mm256_loadu_pd(col + c + 4), hi));
     }
-    float lanes[8], acc = 0.0f;
-    _mm256_storeu_ps(lanes, s8);
-    for (int k = 0; k < 8; k++) acc += lanes[k];
-    return row_sq_scalar_from(a, base, c, C, col, acc);
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+    return row_sq_scalar_from(a, base, c, C, col, (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]));
 }
 #endif
 
 typedef struct {
     const gefen_step_args *a;
-    float *row_sq;    /* (R,) */
-    float *col_part;  /* (tasks, C) */
+    double *row_sq;   /* (R,) */
+    double *col_part; /* (tasks, C) */
     int64_t rows_per_task;
     int level;
 } stats_ctx;
@@ -559,17 +873,14 @@ static void stats_task(const void *ctx_, int64_t task) {
     const int64_t C = a->cols;
     int64_t r0 = task * ctx->rows_per_task, r1 = r0 + ctx->rows_per_task;
     if (r1 > a->rows) r1 = a->rows;
-    float *col = ctx->col_part + task * C;
-    memset(col, 0, (size_t)C * sizeof(float));
-    for (int64_t r = r0; r < r1; r++) {
-        row_fn fn = row_sq_scalar;
+    double *col = ctx->col_part + task * C;
+    memset(col, 0, (size_t)C * sizeof(double));
+    row_fn fn = row_sq_scalar;
 #if GEFEN_X86
-        if (ctx->level == LEVEL_AVX512) fn = row_sq_avx512;
-        else if (ctx->level == LEVEL_AVX2) fn = row_sq_avx2;
+    if (ctx->level >= LEVEL_AVX512) fn = row_sq_avx512;
+    else if (ctx->level == LEVEL_AVX2) fn = row_sq_avx2;
 #endif
-        float acc = fn(a, r * C, C, col);
-        ctx->row_sq[r] = acc;
-    }
+    for (int64_t r = r0; r < r1; r++) ctx->row_sq[r] = fn(a, r * C, C, col);
 }
 
 /* ------------------------------------------------------------------ entry point */
@@ -583,6 +894,8 @@ int gefen_step(const gefen_step_args *a) {
     if (a->param_dtype < 0 || a->param_dtype > 2 || a->grad_dtype < 0 || a->grad_dtype > 2) return ERR_ARGS;
     if (a->kind < 0 || a->kind > 2 || a->steps < 0 || !a->codes || !a->scale || !a->grad) return ERR_ARGS;
     if (!a->codebook || !a->lut || !a->thresholds) return ERR_ARGS;
+    for (int b = 0; b <= 4096; b++) /* every code index read through the bucket table stays inside the tables */
+        if (a->lut[b] < 0 || a->lut[b] > 255 || (b > 0 && a->lut[b] < a->lut[b - 1])) return ERR_ARGS;
     if (a->kind == KIND_BLOCK && (!a->v || !a->param)) return ERR_ARGS;
     if (a->kind == KIND_MOMENTUM && !a->out) return ERR_ARGS;
     if (a->kind == KIND_FACTORED &&
@@ -595,33 +908,51 @@ int gefen_step(const gefen_step_args *a) {
     }
     const int level = active_level();
     const int64_t threads = a->numel >= PARALLEL_MIN_ELEMENTS ? a->threads : 1;
-    block_ctx ctx = {a, 0, 0, 1, level};
+    block_ctx ctx = {a, 0, 0, 1, level, 0};
     float *scratch = 0;
+#if GEFEN_X86
+    vbmi_tables *vt = 0;
+    if (level == LEVEL_VBMI) {
+        vt = make_vbmi_tables(a);
+        if (!vt) return ERR_NOMEM;
+        ctx.vt = vt;
+    }
+#endif
     if (a->kind == KIND_FACTORED) {
         const int64_t R = a->rows, C = a->cols;
         int64_t rows_per_task = (TASK_ELEMENTS + C - 1) / C;
         if (rows_per_task < 1) rows_per_task = 1;
+        if ((R + rows_per_task - 1) / rows_per_task > 64) rows_per_task = (R + 63) / 64; /* partials: <= 64 x C */
         const int64_t tasks = (R + rows_per_task - 1) / rows_per_task;
-        scratch = (float *)malloc((size_t)(R + C + C + tasks * C) * sizeof(float));
-        if (!scratch) return ERR_NOMEM;
-        float *row_root = scratch, *col_root = scratch + R, *col_sq = scratch + R + C, *part = scratch + R + 2 * C;
-        stats_ctx sctx = {a, row_root, part, rows_per_task, level};
+        scratch = (float *)malloc((size_t)(R + C) * sizeof(float));
+        double *sums = (double *)malloc((size_t)(R + C + tasks * C) * sizeof(double));
+        if (!scratch || !sums) {
+            free(scratch);
+            free(sums);
+#if GEFEN_X86
+            free(vt);
+#endif
+            return ERR_NOMEM;
+        }
+        float *row_root = scratch, *col_root = scratch + R;
+        double *row_sq = sums, *col_sq = sums + R, *part = sums + R + C;
+        stats_ctx sctx = {a, row_sq, part, rows_per_task, level};
         parallel_for(tasks, threads, stats_task, &sctx);
-        memset(col_sq, 0, (size_t)C * sizeof(float));
+        memset(col_sq, 0, (size_t)C * sizeof(double));
         for (int64_t t = 0; t < tasks; t++)
             for (int64_t c = 0; c < C; c++) col_sq[c] += part[t * C + c];
-        const float inv_c = 1.0f / (float)C, inv_r = 1.0f / (float)R;
         double total = 0.0;
         for (int64_t r = 0; r < R; r++) {
-            float v = fmaf(row_root[r] * inv_c, a->one_minus_beta2, a->v_row[r] * a->beta2);
+            float v = fmaf((float)(row_sq[r] / (double)C), a->one_minus_beta2, a->v_row[r] * a->beta2);
             a->v_row[r] = v;
             total += v;
         }
         for (int64_t c = 0; c < C; c++) {
-            float v = fmaf(col_sq[c] * inv_r, a->one_minus_beta2, a->v_col[c] * a->beta2);
+            float v = fmaf((float)(col_sq[c] / (double)R), a->one_minus_beta2, a->v_col[c] * a->beta2);
             a->v_col[c] = v;
             col_root[c] = sqrtf(v);
         }
+        free(sums);
         float mean = (float)(total / (double)R);
         float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
         for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
@@ -634,5 +965,8 @@ int gefen_step(const gefen_step_args *a) {
     ctx.blocks_per_task = per_task;
     parallel_for((B + per_task - 1) / per_task, threads, block_task, &ctx);
     free(scratch);
+#if GEFEN_X86
+    free(vt);
+#endif
     return OK;
 }

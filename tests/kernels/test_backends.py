@@ -1,0 +1,231 @@
+"""Every registered step backend against the eager reference (issue 13).
+
+The contract (``gefen.kernels``): first-moment codes and magnitudes bit-identical to the eager reference; second
+moments equal up to the summation order of their sums. The bound the tests hold is 16 fp32 ulps: a sum of ``n``
+non-negative fp32 terms in two orders differs by up to about ``n`` half-ulps in the worst case and by about
+``sqrt(n)`` typically; the native kernel sums a block in 16 lanes (the reference in torch's own order), which gave
+at most 5 ulps over every case here, and it sums factored rows/columns in fp64 (correctly rounded means, at most 2
+ulps from the reference). Parameters are equal up to what those ulps do to one update: at most 1e-6 of the step's update (for fp32) plus one ulp of the parameter's dtype (for a bf16/fp16
+parameter the fp32 result can sit on either side of a rounding boundary). GefenMuon's momentum has no sum at all:
+its codes, magnitudes and parameters are bit-identical.
+
+Every case is run on every CPU path this machine has (``avx512vbmi``, ``avx512``, ``avx2``, ``scalar``), so one
+machine checks the scalar fallback that other CPUs take.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gefen
+from gefen.kernels import native
+from gefen.state import ParamState
+
+pytestmark = pytest.mark.skipif(
+    not native.native_status().available, reason=f"native library unavailable: {native.native_status().reason}"
+)
+
+LEVEL_ORDER = ["scalar", "avx2", "avx512", "avx512vbmi"]
+
+
+def _levels() -> list[str]:
+    status = native.native_status()
+    if not status.available:
+        return ["scalar"]
+    return LEVEL_ORDER[: LEVEL_ORDER.index(status.level) + 1]
+
+
+LEVELS = _levels()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: (shape, planted period or None for random gradients, what it exercises)
+CASES = [
+    ((96, 130), 130, "factored, one block per row"),
+    ((64, 96), 48, "factored, two blocks per row"),
+    ((40, 48), 1920, "factored, a block spans many rows"),
+    ((7, 13), None, "prime dimensions (block, period from the fallback)"),
+    ((1,), None, "one element, period 1"),
+    ((7,), None, "7 elements, period 1: seven one-element blocks"),
+    ((3, 5, 70), 70, "3-D, block second moment"),
+    ((1000,), 8, "1-D, many short blocks"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_level():
+    yield
+    native.force_level(None)
+
+
+def _grad(shape: tuple[int, ...], period: int | None, gen: torch.Generator) -> torch.Tensor:
+    n = torch.Size(shape).numel()
+    if period is None:
+        return torch.randn(shape, generator=gen) * 1e-3
+    scale = torch.exp(2 * torch.randn(n // period, 1, generator=gen))
+    return (torch.randn(n // period, period, generator=gen) * scale * 1e-3).reshape(shape)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of ``x`` in its own dtype, as fp32."""
+    return (torch.nextafter(x.float().abs().to(x.dtype), torch.tensor(float("inf"), dtype=x.dtype)).float()
+            - x.float().abs())
+
+
+def _second(view: ParamState) -> list[torch.Tensor]:
+    if view.kind == "factored":
+        return [view.second_moment_row, view.second_moment_col]
+    return [view.second_moment] if view.second_moment is not None else []
+
+
+def _fp32_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max()) if a.numel() else 0
+
+
+def _sync(dst: gefen.Gefen, src: gefen.Gefen, dst_params: list[torch.Tensor], src_params: list[torch.Tensor]) -> None:
+    """Make ``dst``'s parameters and state equal to ``src``'s (so each step is compared from equal inputs)."""
+    with torch.no_grad():
+        for p, q in zip(dst_params, src_params):
+            p.copy_(q)
+            a, b = dst.state[p], src.state[q]
+            for key, value in b.items():
+                if isinstance(value, torch.Tensor):
+                    a[key].copy_(value)
+
+
+def _compare_steps(backend: str, shape, period, pdt, gdt, factored: bool, noncontiguous: bool = False) -> None:
+    gen = torch.Generator().manual_seed(1)
+    init = (torch.randn(shape, generator=gen) * 0.1).to(pdt)
+    ref_p, test_p = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "factored_v_2d": factored}
+    ref = gefen.Gefen([ref_p], backend="eager", **kwargs)
+    test = gefen.Gefen([test_p], backend=backend, **kwargs)
+    for step in range(3):
+        g = _grad(shape, period, gen).to(gdt)
+        if noncontiguous and len(shape) == 2:
+            g = g.t().contiguous().t()  # same values, column-major strides
+            assert not g.is_contiguous()
+        before = ref_p.detach().float().clone()
+        ref_p.grad, test_p.grad = g.clone(), g
+        ref.step()
+        test.step()
+        r, t = ParamState.from_dict(ref.state[ref_p]), ParamState.from_dict(test.state[test_p])
+        assert r.period == t.period and r.kind == t.kind
+        assert torch.equal(r.codes, t.codes), f"step {step}: codes differ"
+        assert torch.equal(r.scale, t.scale), f"step {step}: magnitudes differ"
+        for a, b in zip(_second(r), _second(t)):
+            assert _fp32_ulps(a, b) <= 16, f"step {step}: second moment differs by {_fp32_ulps(a, b)} ulps"
+        update = (ref_p.detach().float() - before).abs().max()
+        bound = 1e-6 * update + _ulp(ref_p.detach()).max()
+        diff = (ref_p.detach().float() - test_p.detach().float()).abs().max()
+        assert diff <= bound, f"step {step}: parameters differ by {diff} > {bound}"
+        _sync(test, ref, [test_p], [ref_p])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(("shape", "period", "what"), CASES, ids=[c[2] for c in CASES])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_native_matches_eager(level: str, shape, period, what: str, dtype: str) -> None:
+    native.force_level(level)
+    factored = len(shape) == 2
+    _compare_steps("native", shape, period, DTYPES[dtype], DTYPES[dtype], factored)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_block_kind_of_a_2d_weight(level: str) -> None:
+    native.force_level(level)
+    _compare_steps("native", (64, 96), 48, torch.float32, torch.float32, factored=False)
+    _compare_steps("native", (64, 96), 48, torch.float16, torch.float16, factored=False)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_non_contiguous_gradient(level: str) -> None:
+    native.force_level(level)
+    _compare_steps("native", (64, 96), 48, torch.float32, torch.float32, factored=True, noncontiguous=True)
+    _compare_steps("native", (96, 130), 130, torch.bfloat16, torch.bfloat16, factored=False, noncontiguous=True)
+
+
+@pytest.mark.slow
+def test_compiled_backend_matches_eager_on_the_same_cases() -> None:
+    """The compiled backend is registered too: same contract on two cases (each signature compiles for seconds)."""
+    _compare_steps("compiled", (64, 96), 48, torch.float32, torch.float32, factored=True)
+    _compare_steps("compiled", (3, 5, 70), 70, torch.float32, torch.float32, factored=False)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_native_muon_momentum_is_bit_identical(level: str, dtype: str) -> None:
+    native.force_level(level)
+    gen = torch.Generator().manual_seed(3)
+    init = (torch.randn(48, 80, generator=gen) * 0.1).to(DTYPES[dtype])
+    ps = [torch.nn.Parameter(init.clone()) for _ in range(2)]
+    opts = [gefen.GefenMuon([p], lr=1e-2, normuon=True, backend=b) for p, b in zip(ps, ("eager", "native"))]
+    for _ in range(3):
+        g = _grad((48, 80), 80, gen).to(DTYPES[dtype])
+        for p, opt in zip(ps, opts):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(ps[0], ps[1])
+    a, b = (ParamState.from_dict(opt.state[p]) for opt, p in zip(opts, ps))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+def test_native_is_bit_identical_for_every_thread_count() -> None:
+    """The work is split into tasks of a fixed size, so 1 and 2 threads give the same bits (deterministic=True)."""
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            gen = torch.Generator().manual_seed(5)
+            params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((512, 384), (70000,))]
+            opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1, backend="native", deterministic=True)
+            for _ in range(3):
+                for p in params:
+                    p.grad = _grad(tuple(p.shape), None, gen)
+                opt.step()
+            results.append([p.detach().clone() for p in params] + [copy.deepcopy(opt.state_dict()["state"])])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0][:2], other[:2]):
+            assert torch.equal(a, b)
+        for key, st in results[0][2].items():
+            for name, value in st.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, other[2][key][name]), name
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_rows_of_a_sharded_parameter_equal_the_whole(level: str) -> None:
+    """FSDP2 local shards: the native step of row slices (blocks inside rows) equals the step of the whole tensor."""
+    native.force_level(level)
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(24, 64, generator=gen))
+    opt = gefen.Gefen([p], lr=1e-2, factored_v_2d=False, backend="eager")
+    p.grad = _grad((24, 64), 64, gen)
+    opt.step()
+    view = ParamState.from_dict(opt.state[p])
+    table = opt._nearest_table(torch.device("cpu"))
+    tables = (table.codebook, table.lut, table.thresholds)
+    grad = _grad((24, 64), 64, gen)
+    whole = {"param": p.detach().clone(), "codes": view.codes.clone(), "scale": view.scale.clone(),
+             "v": view.second_moment.clone()}
+    rows = {k: v.clone() for k, v in whole.items()}
+    period = view.period
+    per_row = 64 // period
+
+    def run(state: dict[str, torch.Tensor], lo: int, hi: int) -> None:
+        b0, b1 = lo * per_row, hi * per_row
+        native.native_step("block", grad=grad[lo:hi].reshape(-1), codes=state["codes"][b0:b1],
+                           scale=state["scale"][b0:b1], tables=tables, steps=table.steps, period=period, beta1=0.9,
+                           param=state["param"][lo:hi].reshape(-1), second=(state["v"][b0:b1],), beta2=0.999,
+                           eps=1e-8, lr=1e-2, weight_decay=0.1, step=2)
+
+    run(whole, 0, 24)
+    for lo, hi in ((0, 9), (9, 17), (17, 24)):  # uneven shards, as on 3 ranks
+        run(rows, lo, hi)
+    for key in whole:
+        assert torch.equal(whole[key], rows[key]), key
