@@ -1,18 +1,27 @@
-"""Median ``optimizer.step()`` time and state bytes/param of Gefen and torch's AdamW (fused and foreach) on a
+r"""Median ``optimizer.step()`` time and state bytes/param of Gefen and torch's AdamW (fused and foreach) on a
 GPT-shaped parameter set (embedding, q/k/v/o, SwiGLU gate/up/down, RMSNorm), all in one process.
 
 Prints one JSON object::
 
-    {"params": int, "device": str, "threads": int,
+    {"params": int, "device": str, "threads": int, "stream_bandwidth_gb_s": float,
      "results": {NAME: {"opt_step_time_s": float, "first_step_time_s": float, "compile_time_s": float,
                         "peak_extra_memory_bytes": int | null, "state_bytes_per_param": float,
+                        "bytes_moved_per_param": float, "effective_gb_s": float,
                         "compiled_signatures": int (Gefen only)}},
-     "ratio_gefen_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
-     "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float}
+     "ratio_gefen_vs_adamw_fused": float, "ratio_gefen_native_vs_adamw_fused": float,
+     "ratio_gefen_compiled_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
+     "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float,
+     "ratio_gefen_vs_adamw_fused_1_thread": float}
 
-``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``fused=None``: compiled kernels where
-``torch.compile`` works), ``gefen_eager`` (``fused=False``), and on the 2-D hidden weights only (the Muon half of
-a hybrid; their rows carry ``params`` and bytes/param over those) ``torch_muon`` and ``gefen_muon``.
+``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``backend="auto"``: the native kernels on
+the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, the same
+``adamw_fused`` and ``gefen`` rows again with one thread (``*_1_thread``), and on the 2-D hidden weights only (the
+Muon half of a hybrid; their rows carry ``params`` and bytes/param over those) ``torch_muon`` and ``gefen_muon``.
+``bytes_moved_per_param`` counts the memory one step reads and writes per parameter (parameter and gradient,
+AdamW's two moments, Gefen's codes, magnitudes and second moment, and the factored second pass over the gradient),
+``effective_gb_s`` is that traffic over the step time, to compare with ``stream_bandwidth_gb_s`` (a large
+``copy_`` with the same threads: the machine's streaming bandwidth). ``--skip-compiled`` leaves out the compiled
+row (its first run compiles for tens of seconds).
 ``opt_step_time_s`` is the median over
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
@@ -131,6 +140,39 @@ class PeakMemory:
         return None if hwm is None else max(0, hwm * 1024 - self.base)
 
 
+def stream_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Streaming memory bandwidth in GB/s: bytes read plus written by a large ``copy_`` (best of 5)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def bytes_moved(opt: torch.optim.Optimizer) -> float:
+    """Bytes one step reads and writes, summed over the parameters (see the module docstring)."""
+    total = 0.0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            n, es = p.numel(), p.element_size()
+            grad = p.grad.element_size() if p.grad is not None else es
+            if isinstance(opt, gefen.Gefen):
+                st = opt.state.get(p, {})
+                state = sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+                second_pass = grad * n if "second_moment_row" in st else 0.0
+                total += 2 * es * n + grad * n + second_pass + 2 * state
+            else:
+                state = sum(t.numel() * t.element_size() for t in opt.state.get(p, {}).values()
+                            if isinstance(t, torch.Tensor) and t.numel() > 1)
+                total += 2 * es * n + grad * n + 2 * state
+    return total
+
+
 def time_steps(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup: int) -> float:
     """Median wall time of ``opt.step()`` in seconds over ``steps`` calls after ``warmup`` untimed calls."""
     for _ in range(warmup):
@@ -172,8 +214,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (includes the first step)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled row")
     args = parser.parse_args()
     device = torch.device(args.device)
+    threads = torch.get_num_threads()
+    bandwidth = stream_bandwidth(device)
 
     named = gpt_shaped_params(args.size, device)
     params = [p for _, p in named]
@@ -186,33 +231,55 @@ def main() -> None:
         "adamw_fused": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True), n_params),
         "adamw_foreach": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True), n_params),
         "gefen": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1), n_params),
-        "gefen_eager": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, fused=False), n_params),
+        "gefen_native": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="native"), n_params),
+        "gefen_compiled": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="compiled"), n_params),
+        "gefen_eager": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="eager"), n_params),
+        "adamw_fused_1_thread": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True), n_params),
+        "gefen_1_thread": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1), n_params),
         "torch_muon": (lambda: torch.optim.Muon([p for _, p in hidden], lr=1e-3, weight_decay=0.1), n_hidden),
         "gefen_muon": (lambda: gefen.GefenMuon(hidden, lr=1e-3, weight_decay=0.1), n_hidden),
     }
+    if args.skip_compiled or device.type not in ("cpu", "cuda"):
+        del factories["gefen_compiled"]
+    if device.type != "cpu":
+        del factories["gefen_native"]
     initial = [p.detach().clone() for p in params]
     results = {}
     for name, (make, n_optimized) in factories.items():
         with torch.no_grad():
             for p, v in zip(params, initial):
                 p.copy_(v)
+        torch.set_num_threads(1 if name.endswith("_1_thread") else threads)
         opt = make()
         row = measure(opt, device, args.steps, args.warmup)
+        torch.set_num_threads(threads)
         row["state_bytes_per_param"] = _state_bytes(opt) / n_optimized
+        moved = bytes_moved(opt)
+        row["bytes_moved_per_param"] = moved / n_optimized
+        row["effective_gb_s"] = moved / row["opt_step_time_s"] / 1e9
         if n_optimized != n_params:
             row["params"] = n_optimized
         results[name] = row
         del opt
     fused_s = results["adamw_fused"]["opt_step_time_s"]
+
+    def ratio(name: str) -> float | None:
+        return results[name]["opt_step_time_s"] / fused_s if name in results else None
+
     print(
         json.dumps(
             {
                 "params": n_params,
                 "device": str(device),
-                "threads": torch.get_num_threads(),
+                "threads": threads,
+                "stream_bandwidth_gb_s": bandwidth,
                 "results": results,
-                "ratio_gefen_vs_adamw_fused": results["gefen"]["opt_step_time_s"] / fused_s,
-                "ratio_gefen_eager_vs_adamw_fused": results["gefen_eager"]["opt_step_time_s"] / fused_s,
+                "ratio_gefen_vs_adamw_fused": ratio("gefen"),
+                "ratio_gefen_native_vs_adamw_fused": ratio("gefen_native"),
+                "ratio_gefen_compiled_vs_adamw_fused": ratio("gefen_compiled"),
+                "ratio_gefen_eager_vs_adamw_fused": ratio("gefen_eager"),
+                "ratio_gefen_vs_adamw_fused_1_thread": results["gefen_1_thread"]["opt_step_time_s"]
+                / results["adamw_fused_1_thread"]["opt_step_time_s"],
                 "ratio_gefen_first_step_vs_step": results["gefen"]["first_step_time_s"]
                 / results["gefen"]["opt_step_time_s"],
                 "ratio_gefen_muon_vs_torch_muon": results["gefen_muon"]["opt_step_time_s"]

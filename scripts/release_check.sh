@@ -134,8 +134,24 @@ check_version "gefen.__version__" "$v"
 v=$(in_run "$venv/bin/python" -c "import importlib.metadata as m; print(m.version('gefen'))") ||
   finish FAIL "cannot read the installed metadata"
 check_version "installed metadata" "$v"
-[ "$(basename "$wheel")" = "gefen-$expected-py3-none-any.whl" ] && [ "$(basename "$sdist")" = "gefen-$expected.tar.gz" ] ||
-  finish FAIL "artifact names do not carry version $expected: $(basename "$wheel") $(basename "$sdist")"
+case "$(basename "$wheel")" in
+  "gefen-$expected-py3-none-any.whl") finish FAIL "the wheel is tagged py3-none-any: the native kernel library was not built into it" ;;
+  "gefen-$expected-py3-none-"*.whl) ;;
+  *) finish FAIL "wheel name does not carry version $expected and a py3-none-<platform> tag: $(basename "$wheel")" ;;
+esac
+[ "$(basename "$sdist")" = "gefen-$expected.tar.gz" ] ||
+  finish FAIL "sdist name does not carry version $expected: $(basename "$sdist")"
+
+step "native kernel library inside the wheel and loaded from the install"
+"$build_py" -c "import sys, zipfile; n = zipfile.ZipFile(sys.argv[1]).namelist(); sys.exit(0 if 'gefen/kernels/libgefen_kernels.so' in n else 1)" "$wheel" ||
+  finish FAIL "the wheel lacks gefen/kernels/libgefen_kernels.so"
+native=$(in_run "$venv/bin/python" -c "from gefen.kernels.native import native_status as s; st = s(); print(st.available, st.level, st.path)") ||
+  finish FAIL "could not ask the installed gefen for its native backend"
+echo "native backend: $native"
+case "$native" in
+  "True "*"$venv"*) ;;
+  *) finish FAIL "the installed native library did not load from the fresh environment: $native" ;;
+esac
 
 # ------------------------------------------------------------------------------ 4. tests against the install
 subset=${RELEASE_CHECK_PYTEST_ARGS:-}

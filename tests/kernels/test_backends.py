@@ -5,9 +5,9 @@ moments equal up to the summation order of their sums. The bound the tests hold 
 non-negative fp32 terms in two orders differs by up to about ``n`` half-ulps in the worst case and by about
 ``sqrt(n)`` typically; the native kernel sums a block in 16 lanes (the reference in torch's own order), which gave
 at most 5 ulps over every case here, and it sums factored rows/columns in fp64 (correctly rounded means, at most 2
-ulps from the reference). Parameters are equal up to what those ulps do to one update: at most 1e-6 of the step's update (for fp32) plus one ulp of the parameter's dtype (for a bf16/fp16
-parameter the fp32 result can sit on either side of a rounding boundary). GefenMuon's momentum has no sum at all:
-its codes, magnitudes and parameters are bit-identical.
+ulps from the reference). Parameters are equal up to what those ulps do to one update: at most 1e-6 of the step's
+update plus one ulp of the parameter's dtype (a bf16/fp16 result can sit on either side of a rounding boundary).
+GefenMuon's momentum has no sum at all: its codes, magnitudes and parameters are bit-identical.
 
 Every case is run on every CPU path this machine has (``avx512vbmi``, ``avx512``, ``avx2``, ``scalar``), so one
 machine checks the scalar fallback that other CPUs take.

@@ -23,19 +23,19 @@ def model() -> torch.nn.Module:
     )
 
 
-def build(kind: str, m: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+def build(kind: str, m: torch.nn.Module, backend: str) -> torch.optim.Optimizer:
     if kind == "gefen":
-        return gefen.Gefen(m.named_parameters(), lr=3e-3, weight_decay=0.01, fused=fused, deterministic=True)
+        return gefen.Gefen(m.named_parameters(), lr=3e-3, weight_decay=0.01, backend=backend, deterministic=True)
     if kind == "gefen_muon":
         hidden = [(n, p) for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith("0.")]
-        return gefen.GefenMuon(hidden, lr=3e-3, normuon=True, fused=fused, deterministic=True)
-    return gefen.GefenMuonHybrid(m, lr=3e-3, fused=fused, deterministic=True)
+        return gefen.GefenMuon(hidden, lr=3e-3, normuon=True, backend=backend, deterministic=True)
+    return gefen.GefenMuonHybrid(m, lr=3e-3, backend=backend, deterministic=True)
 
 
-def run(kind: str, fused: bool, steps: int = 3) -> str:
+def run(kind: str, backend: str, steps: int = 3) -> str:
     """Train ``steps`` steps from a fixed seed (the first one learns periods and the codebook); the digest."""
     m = model()
-    opt = build(kind, m, fused)
+    opt = build(kind, m, backend)
     for s in range(steps):
         tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s))
         loss = torch.nn.functional.cross_entropy(m(tokens).reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
@@ -47,4 +47,4 @@ def run(kind: str, fused: bool, steps: int = 3) -> str:
 
 
 if __name__ == "__main__":
-    print(run(sys.argv[1], sys.argv[2] == "1"))
+    print(run(sys.argv[1], sys.argv[2]))

@@ -23,19 +23,21 @@ KINDS = ["gefen", "gefen_muon", "hybrid"]
 
 
 # ---------------------------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("backend", ["eager", "native"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_deterministic_runs_are_bit_identical_including_the_first_step(kind):
-    first, second = run(kind, fused=False), run(kind, fused=False)
+def test_deterministic_runs_are_bit_identical_including_the_first_step(kind, backend):
+    first, second = run(kind, backend), run(kind, backend)
     assert first == second
-    assert run(kind, fused=False, steps=1) == run(kind, fused=False, steps=1)  # period search + codebook alone
+    assert run(kind, backend, steps=1) == run(kind, backend, steps=1)  # period search + codebook alone
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "native"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_deterministic_digest_is_the_same_in_a_fresh_process(kind):
+def test_deterministic_digest_is_the_same_in_a_fresh_process(kind, backend):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GEFEN_FUSED": "0"}
     out = subprocess.run(
-        [sys.executable, "-m", "tests.optim.determinism_job", kind, "0"],
+        [sys.executable, "-m", "tests.optim.determinism_job", kind, backend],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -43,13 +45,13 @@ def test_deterministic_digest_is_the_same_in_a_fresh_process(kind):
         timeout=300,
         check=True,
     )
-    assert out.stdout.strip() == run(kind, fused=False)
+    assert out.stdout.strip() == run(kind, backend)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_deterministic_compiled_runs_are_bit_identical(kind):
-    assert run(kind, fused=True) == run(kind, fused=True)
+    assert run(kind, "compiled") == run(kind, "compiled")
 
 
 def test_deterministic_policy_is_in_every_metadata_copy_and_refused_across_policies():

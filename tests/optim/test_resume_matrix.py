@@ -29,15 +29,15 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def _build(kind: str, model: torch.nn.Module, fused: bool, deterministic: bool) -> torch.optim.Optimizer:
+def _build(kind: str, model: torch.nn.Module, backend: str, deterministic: bool) -> torch.optim.Optimizer:
     if kind == "gefen":
         return gefen.Gefen(
-            model.named_parameters(), lr=3e-3, weight_decay=0.01, fused=fused, deterministic=deterministic
+            model.named_parameters(), lr=3e-3, weight_decay=0.01, backend=backend, deterministic=deterministic
         )
     if kind == "gefen_muon":
         hidden = [(n, p) for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("0.")]
-        return gefen.GefenMuon(hidden, lr=3e-3, normuon=True, fused=fused, deterministic=deterministic)
-    return gefen.GefenMuonHybrid(model, lr=3e-3, fused=fused, deterministic=deterministic)
+        return gefen.GefenMuon(hidden, lr=3e-3, normuon=True, backend=backend, deterministic=deterministic)
+    return gefen.GefenMuonHybrid(model, lr=3e-3, backend=backend, deterministic=deterministic)
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -64,30 +64,31 @@ def _codebooks(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
 
 CASES = [
     pytest.param(
-        kind, dtype, fused, det, marks=[pytest.mark.slow] if fused else [], id=f"{kind}-{name}-{mode}-det{det}"
+        kind, dtype, backend, det, marks=[pytest.mark.slow] if backend == "compiled" else [],
+        id=f"{kind}-{name}-{backend}-det{det}",
     )
     for kind in ("gefen", "gefen_muon", "hybrid")
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
-    for fused, mode in ((False, "eager"), (True, "compiled"))
+    for backend in ("eager", "native", "compiled")
     for det in (True, False)
 ]
 
 
-@pytest.mark.parametrize(("kind", "dtype", "fused", "deterministic"), CASES)
-def test_resume_is_bit_exact(kind, dtype, fused, deterministic):
+@pytest.mark.parametrize(("kind", "dtype", "backend", "deterministic"), CASES)
+def test_resume_is_bit_exact(kind, dtype, backend, deterministic):
     whole_model = _model(dtype)
-    whole = _build(kind, whole_model, fused, deterministic)
+    whole = _build(kind, whole_model, backend, deterministic)
     _train(whole_model, whole, range(4))
 
     first_model = _model(dtype)
-    first = _build(kind, first_model, fused, deterministic)
+    first = _build(kind, first_model, backend, deterministic)
     _train(first_model, first, range(2))
     saved_params = _roundtrip(first_model.state_dict())
     saved_opt = _roundtrip(first.state_dict())
 
     resumed_model = _model(dtype)
     resumed_model.load_state_dict(saved_params)
-    resumed = _build(kind, resumed_model, fused, deterministic)
+    resumed = _build(kind, resumed_model, backend, deterministic)
     resumed.load_state_dict(saved_opt)
     _train(resumed_model, resumed, range(2, 4))
 

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import math
 import os
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ __all__ = [
     "cpu_level_name",
     "force_level",
     "native_step",
+    "check_arguments",
+    "record",
+    "run_records",
+    "as_float32",
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
@@ -90,7 +95,7 @@ class StepArgs(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("decay", ctypes.c_float),
         ("step", ctypes.c_float),
-        ("inv_root_bc2", ctypes.c_float),
+        ("root_bc2", ctypes.c_float),
         ("inv_bc1", ctypes.c_float),
         ("bc2", ctypes.c_float),
         ("pad_", ctypes.c_float),
@@ -170,8 +175,8 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     if version != ABI_VERSION:
         reason = f"{path} has ABI version {version}, this gefen expects {ABI_VERSION}: reinstall gefen"
         return None, NativeStatus(False, reason, path=str(path))
-    lib.gefen_step.argtypes = [ctypes.POINTER(StepArgs)]
-    lib.gefen_step.restype = ctypes.c_int
+    lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gefen_step_many.restype = ctypes.c_int
     lib.gefen_cpu_level.restype = ctypes.c_int
     lib.gefen_force_level.argtypes = [ctypes.c_int]
     lib.gefen_force_level.restype = ctypes.c_int
@@ -235,26 +240,25 @@ def _require() -> ctypes.CDLL:
     return lib
 
 
-def _f32(x: float) -> float:
-    return float(np.float32(x))
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest fp32, as a Python float."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _check_arguments(
+def check_arguments(
     kind: str,
+    *,
     grad: Tensor,
     codes: Tensor,
     scale: Tensor,
     tables: tuple[Tensor, Tensor, Tensor],
     steps: int,
     period: int,
-    param: Tensor | None,
-    second: tuple[Tensor, ...],
-    out: Tensor | None,
-    shape: tuple[int, int],
+    param: Tensor | None = None,
+    second: tuple[Tensor, ...] = (),
+    out: Tensor | None = None,
+    shape: tuple[int, int] = (0, 0),
+    **_: object,
 ) -> None:
     """Refuse any argument that would make the library read or write out of bounds (it trusts its record).
 
@@ -345,44 +349,120 @@ def native_step(
 
     Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.reference`.
     """
-    lib = _require()
-    codebook, lut, thresholds = tables
-    numel = grad.numel()
-    _check_arguments(kind, grad, codes, scale, tables, steps, period, param, second, out, shape)
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    w = _f32(1.0 - beta1)
-    args = StepArgs(
-        param=_ptr(param),
-        grad=grad.data_ptr(),
-        codes=codes.data_ptr(),
-        scale=scale.data_ptr(),
-        v=_ptr(second[0]) if kind == "block" else None,
-        v_row=_ptr(second[0]) if kind == "factored" else None,
-        v_col=_ptr(second[1]) if kind == "factored" else None,
-        out=_ptr(out),
-        codebook=codebook.data_ptr(),
-        lut=lut.data_ptr(),
-        thresholds=thresholds.data_ptr(),
-        numel=numel,
-        period=period,
-        rows=shape[0],
-        cols=shape[1],
-        param_dtype=NATIVE_DTYPES[param.dtype] if param is not None else 0,
-        grad_dtype=NATIVE_DTYPES[grad.dtype],
-        steps=steps,
-        lerp_high=int(abs(w) >= 0.5),
-        kind=_KINDS[kind],
-        threads=torch.get_num_threads(),
-        w=w,
-        beta2=_f32(beta2),
-        one_minus_beta2=_f32(1.0 - beta2),
-        eps=_f32(eps),
-        decay=_f32(1.0 - lr * weight_decay),
-        step=_f32(-lr * (1.0 / bc1)) if kind == "factored" else _f32(-lr),
-        inv_root_bc2=float(np.float32(1.0) / np.float32(math.sqrt(bc2))) if kind == "block" else 1.0,
-        inv_bc1=_f32(1.0 / bc1),
-        bc2=_f32(bc2),
+    _require()
+    check_arguments(
+        kind, grad=grad, codes=codes, scale=scale, tables=tables, steps=steps, period=period, param=param,
+        second=second, out=out, shape=shape,
     )
-    rc = lib.gefen_step(ctypes.byref(args))
+    run_records(
+        [
+            record(
+                kind,
+                grad=grad,
+                codes=codes,
+                scale=scale,
+                tables=tables,
+                steps=steps,
+                period=period,
+                beta1=beta1,
+                param=param,
+                second=second,
+                out=out,
+                shape=shape,
+                beta2=beta2,
+                eps=eps,
+                lr=lr,
+                weight_decay=weight_decay,
+                step=step,
+            )
+        ]
+    )
+
+
+def record(
+    kind: str,
+    *,
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    tables: tuple[Tensor, Tensor, Tensor],
+    steps: int,
+    period: int,
+    beta1: float,
+    param: Tensor | None = None,
+    second: tuple[Tensor, ...] = (),
+    out: Tensor | None = None,
+    shape: tuple[int, int] = (0, 0),
+    beta2: float = 0.0,
+    eps: float = 1.0,
+    lr: float = 0.0,
+    weight_decay: float = 0.0,
+    step: int = 1,
+) -> tuple[object, ...]:
+    """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
+
+    The per-step constants are computed in float64 exactly as the eager reference computes its Python scalars and
+    rounded to fp32 once when the record is stored (as torch rounds a Python scalar); ``1/sqrt(bc2)`` and
+    ``w − 1`` are rounded in fp32 by the library, as torch computes them. The caller keeps every tensor alive until
+    :func:`run_records` returns and has checked them (:func:`native_step` does, with :func:`check_arguments`).
+    """
+    codebook, lut, thresholds = tables
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    w = 1.0 - beta1
+    factored = kind == "factored"
+    return (
+        param.data_ptr() if param is not None else 0,
+        grad.data_ptr(),
+        codes.data_ptr(),
+        scale.data_ptr(),
+        second[0].data_ptr() if kind == "block" else 0,
+        second[0].data_ptr() if factored else 0,
+        second[1].data_ptr() if factored else 0,
+        out.data_ptr() if out is not None else 0,
+        codebook.data_ptr(),
+        lut.data_ptr(),
+        thresholds.data_ptr(),
+        grad.numel(),
+        period,
+        shape[0],
+        shape[1],
+        NATIVE_DTYPES[param.dtype] if param is not None else 0,
+        NATIVE_DTYPES[grad.dtype],
+        steps,
+        int(abs(as_float32(w)) >= 0.5),
+        _KINDS[kind],
+        torch.get_num_threads(),
+        w,
+        beta2,
+        1.0 - beta2,
+        eps,
+        1.0 - lr * weight_decay,
+        -lr * (1.0 / bc1) if factored else -lr,
+        math.sqrt(bc2),
+        1.0 / bc1,
+        bc2,
+        0.0,
+    )
+
+
+@functools.cache
+def _record_dtype() -> np.dtype:
+    return np.dtype(StepArgs)
+
+
+def run_records(records: list[tuple[object, ...]]) -> None:
+    """Run the native steps of several parameters in one library call (two parallel loops over all of them).
+
+    Args:
+        records: from :func:`record`, for parameters that do not share any state tensor.
+
+    Raises:
+        RuntimeError: the library is unavailable or rejected a record (nothing was changed then).
+    """
+    lib = _require()
+    if not records:
+        return
+    array = np.array(records, dtype=_record_dtype())
+    rc = lib.gefen_step_many(array.ctypes.data, len(records))
     if rc != 0:
         raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")

@@ -25,7 +25,9 @@ from gefen.compiled import (
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
 from gefen.kernels import auto_backend, group_backend, native_supports, resolve_backend_option
-from gefen.kernels.native import native_step
+from gefen.kernels.native import check_arguments as check_native_arguments
+from gefen.kernels.native import record as native_record
+from gefen.kernels.native import run_records
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -559,44 +561,62 @@ class Gefen(GefenOptimizer):
         return chosen
 
     def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs``: one library call per parameter.
+        """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs`` in one library call.
 
-        The arguments were checked when the backend was chosen (CPU, fp32/bf16/fp16), so a failure here is a bug;
-        the library validates its record before it touches anything.
+        The backend was chosen for CPU tensors of supported dtypes; the state tensors are the optimizer's own
+        (created or validated by it), so only their layout is checked here, with the full argument check of
+        :func:`gefen.kernels.native.native_step` for any that is not contiguous. The library checks every record
+        before it writes anything.
         """
         if not jobs:
             return
-        cpu = torch.device("cpu")
-        table = self._nearest_table(cpu)
+        table = self._nearest_table(torch.device("cpu"))
         tables = (table.codebook, table.lut, table.thresholds)
+        records, keep, copies, views = [], [], [], []
         for item, group in jobs:
             view = ParamState.from_dict(local_state(self.state[item.param]))
-            beta1, beta2 = (as_float(b) for b in group["betas"])
+            views.append(view)
             param = item.target.detach()  # this rank's rows of a sharded parameter
-            if param.numel() > 0:
-                work = param if param.is_contiguous() else param.contiguous()
-                factored = view.kind == "factored"
-                native_step(
+            if param.numel() == 0:
+                continue
+            work = param if param.is_contiguous() else param.contiguous()
+            if work is not param:
+                copies.append((param, work))
+            factored = view.kind == "factored"
+            second = (view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,)
+            grad = kernel_grad(item.grad, (param.numel(),))
+            beta1, beta2 = (as_float(b) for b in group["betas"])
+            call = {
+                "grad": grad,
+                "codes": view.codes,
+                "scale": view.scale,
+                "tables": tables,
+                "steps": table.steps,
+                "period": view.period,
+                "beta1": beta1,
+                "param": work.view(-1),
+                "second": second,
+                "shape": tuple(param.shape) if factored else (0, 0),
+            }
+            state = (view.codes, view.scale, *second)
+            if not all(t.is_contiguous() for t in state):
+                check_native_arguments("factored" if factored else "block", **call)
+            keep.append(call)
+            records.append(
+                native_record(
                     "factored" if factored else "block",
-                    grad=kernel_grad(item.grad, (param.numel(),)),
-                    codes=view.codes,
-                    scale=view.scale,
-                    tables=tables,
-                    steps=table.steps,
-                    period=view.period,
-                    beta1=beta1,
-                    param=work.view(-1),
-                    second=(view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,),
-                    shape=tuple(param.shape) if factored else (0, 0),
+                    **call,
                     beta2=beta2,
                     eps=as_float(group["eps"]),
                     lr=as_float(group["lr"]),
                     weight_decay=as_float(group["weight_decay"]),
                     step=int(view.step) + 1,
                 )
-                if work is not param:
-                    param.copy_(work)
-            view.step.add_(1)
+            )
+        run_records(records)
+        for param, work in copies:
+            param.copy_(work)
+        torch._foreach_add_([view.step for view in views], 1)
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.

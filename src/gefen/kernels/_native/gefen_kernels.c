@@ -59,7 +59,7 @@ typedef struct {
     float beta2, one_minus_beta2, eps;
     float decay;              /* 1 - lr * weight_decay */
     float step;               /* block: -lr;  factored: -lr / bc1 */
-    float inv_root_bc2;       /* block: 1 / sqrt(bc2) */
+    float root_bc2;           /* block: sqrt(bc2) rounded to fp32 (the step divides by it as torch does) */
     float inv_bc1;            /* block: 1 / bc1 */
     float bc2;                /* factored: 1 - beta2^t */
     float pad_;
@@ -78,7 +78,7 @@ void gefen_set_threading(void *parallel, void *thread_num, void *num_threads) {
     g_num_threads = (omp_int_fn)num_threads;
 }
 
-typedef void (*task_fn)(const void *ctx, int64_t task);
+typedef void (*task_fn)(const void *ctx, int64_t task, int64_t thread);
 typedef struct {
     task_fn fn;
     const void *ctx;
@@ -89,14 +89,15 @@ static void pool_worker(void *data) {
     const pool_job *job = (const pool_job *)data;
     int64_t n = g_num_threads(), k = g_thread_num();
     int64_t lo = job->tasks * k / n, hi = job->tasks * (k + 1) / n;
-    for (int64_t t = lo; t < hi; t++) job->fn(job->ctx, t);
+    for (int64_t t = lo; t < hi; t++) job->fn(job->ctx, t, k);
 }
 
-/* Run fn(ctx, t) for t in [0, tasks): each task is independent, so the result never depends on the threads. */
+/* Run fn(ctx, t, thread) for t in [0, tasks) on at most `threads` threads (thread < threads): each task is
+ * independent, so the result never depends on the threads. */
 static void parallel_for(int64_t tasks, int64_t threads, task_fn fn, const void *ctx) {
     if (threads > tasks) threads = tasks;
     if (threads <= 1 || !g_parallel) {
-        for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
+        for (int64_t t = 0; t < tasks; t++) fn(ctx, t, 0);
         return;
     }
     pool_job job = {fn, ctx, tasks};
@@ -192,6 +193,8 @@ typedef struct {
     int64_t blocks_per_task;
     int level;
     const vbmi_tables *vt; /* LEVEL_VBMI only */
+    float *bufs;           /* one block buffer of buf_stride floats per thread */
+    int64_t buf_stride;
 } block_ctx;
 
 /* Pass 1 over a whole block [base, base + P): m into buf[0..P), returns max|m| (NaN-propagating) and stores the sum
@@ -560,6 +563,10 @@ TV static inline __m512i bytes256(const __m512i t[4], __m512i idx) {
 }
 
 #define INLINE __attribute__((always_inline)) inline
+/* Software prefetch distance of the streams (gradient, codes, parameter), in elements ahead. */
+#ifndef PREFETCH_ELEMENTS
+#define PREFETCH_ELEMENTS 1024
+#endif
 /* Pass 1 of a block, 64 elements at a time; gdt and high are compile-time constants at every call site below. */
 TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P,
                                        float a_old, float *buf, float *sq, const int gdt, const int high) {
@@ -572,8 +579,10 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
     int64_t j = 0;
     for (; j + 64 <= P; j += 64) {
         __m512 c[4];
+        _mm_prefetch((const char *)(codes + j + PREFETCH_ELEMENTS), _MM_HINT_T0);
         lookup64(&vt->codebook, perm64(_mm512_loadu_si512((const void *)(codes + j))), &c[0], &c[1], &c[2], &c[3]);
         for (int k = 0; k < 4; k++) {
+            _mm_prefetch(grad + (j + 16 * k + PREFETCH_ELEMENTS) * (gdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
             __m512 g = ld16(grad, j + 16 * k, gdt);
             __m512 mo = _mm512_mul_ps(c[k], vold);
             __m512 d = _mm512_sub_ps(g, mo);
@@ -677,6 +686,7 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
             } else {
                 d = _mm512_mul_ps(m_hat, vs);
             }
+            _mm_prefetch((const char *)param + (e + PREFETCH_ELEMENTS) * (pdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
             __m512 p = _mm512_mul_ps(ld16(param, e, pdt), vdecay);
             st16(param, e, pdt, _mm512_fmadd_ps(d, vstep, p));
         }
@@ -738,7 +748,7 @@ static int active_level(void) { return g_forced_level >= 0 ? g_forced_level : ge
 int gefen_abi_version(void) { return GEFEN_ABI_VERSION; }
 
 /* ------------------------------------------------------------------ the block loop */
-static void block_task(const void *ctx_, int64_t task) {
+static void block_task(const void *ctx_, int64_t task, int64_t thread) {
     const block_ctx *ctx = (const block_ctx *)ctx_;
     const gefen_step_args *a = ctx->a;
     const int64_t P = a->period, B = a->numel / P;
@@ -755,9 +765,7 @@ static void block_task(const void *ctx_, int64_t task) {
         p2 = pass2_avx2;
     }
 #endif
-    float stack_buf[1024];
-    float *buf = P <= 1024 ? stack_buf : (float *)malloc((size_t)P * sizeof(float));
-    if (!buf) return; /* checked up front by gefen_step (P <= numel), malloc failure leaves the block untouched */
+    float *buf = ctx->bufs + thread * ctx->buf_stride;
 #if GEFEN_X86
     const vbmi_tables *vt = ctx->level == LEVEL_VBMI ? ctx->vt : 0;
     if (vt) p1 = pass1_avx512; /* the VBMI passes are called directly below */
@@ -777,7 +785,7 @@ static void block_task(const void *ctx_, int64_t task) {
             float mean = sq * (1.0f / (float)P);
             float v = fmaf(mean, a->one_minus_beta2, a->v[b] * a->beta2);
             a->v[b] = v;
-            s = (1.0f / (sqrtf(v) * a->inv_root_bc2 + a->eps)) * a->inv_bc1;
+            s = (1.0f / (sqrtf(v) * (1.0f / a->root_bc2) + a->eps)) * a->inv_bc1;
         }
         float denom = (amag > 0.0f) ? amag : 1.0f;
         if (a->kind == KIND_FACTORED) {
@@ -802,7 +810,6 @@ static void block_task(const void *ctx_, int64_t task) {
         }
         a->scale[b] = amag;
     }
-    if (buf != stack_buf) free(buf);
 }
 
 /* ------------------------------------------------------------------ factored statistics (pass A) */
@@ -867,7 +874,8 @@ typedef struct {
     int level;
 } stats_ctx;
 
-static void stats_task(const void *ctx_, int64_t task) {
+static void stats_task(const void *ctx_, int64_t task, int64_t thread) {
+    (void)thread;
     const stats_ctx *ctx = (const stats_ctx *)ctx_;
     const gefen_step_args *a = ctx->a;
     const int64_t C = a->cols;
@@ -889,10 +897,12 @@ static void stats_task(const void *ctx_, int64_t task) {
 /* Below this many elements the step runs on the calling thread (waking the pool costs more). */
 #define PARALLEL_MIN_ELEMENTS 65536
 
-int gefen_step(const gefen_step_args *a) {
+/* Refuse a record that could make any routine read or write outside its tensors (before anything changes). */
+static int check_args(const gefen_step_args *a) {
     if (!a || a->numel <= 0 || a->period <= 0 || a->numel % a->period != 0) return ERR_ARGS;
     if (a->param_dtype < 0 || a->param_dtype > 2 || a->grad_dtype < 0 || a->grad_dtype > 2) return ERR_ARGS;
-    if (a->kind < 0 || a->kind > 2 || a->steps < 0 || !a->codes || !a->scale || !a->grad) return ERR_ARGS;
+    if (a->kind < 0 || a->kind > 2 || a->steps < 0 || a->steps > 255 || !a->codes || !a->scale || !a->grad)
+        return ERR_ARGS;
     if (!a->codebook || !a->lut || !a->thresholds) return ERR_ARGS;
     for (int b = 0; b <= 4096; b++) /* every code index read through the bucket table stays inside the tables */
         if (a->lut[b] < 0 || a->lut[b] > 255 || (b > 0 && a->lut[b] < a->lut[b - 1])) return ERR_ARGS;
@@ -901,72 +911,182 @@ int gefen_step(const gefen_step_args *a) {
     if (a->kind == KIND_FACTORED &&
         (!a->v_row || !a->v_col || !a->param || a->rows <= 0 || a->cols <= 0 || a->rows * a->cols != a->numel))
         return ERR_ARGS;
-    if (a->period > 1024) { /* the block buffer comes from the heap: check once that it can */
-        void *probe = malloc((size_t)a->period * sizeof(float));
-        if (!probe) return ERR_NOMEM;
-        free(probe);
-    }
-    const int level = active_level();
-    const int64_t threads = a->numel >= PARALLEL_MIN_ELEMENTS ? a->threads : 1;
-    block_ctx ctx = {a, 0, 0, 1, level, 0};
-    float *scratch = 0;
-#if GEFEN_X86
-    vbmi_tables *vt = 0;
-    if (level == LEVEL_VBMI) {
-        vt = make_vbmi_tables(a);
-        if (!vt) return ERR_NOMEM;
-        ctx.vt = vt;
-    }
-#endif
-    if (a->kind == KIND_FACTORED) {
-        const int64_t R = a->rows, C = a->cols;
-        int64_t rows_per_task = (TASK_ELEMENTS + C - 1) / C;
-        if (rows_per_task < 1) rows_per_task = 1;
-        if ((R + rows_per_task - 1) / rows_per_task > 64) rows_per_task = (R + 63) / 64; /* partials: <= 64 x C */
-        const int64_t tasks = (R + rows_per_task - 1) / rows_per_task;
-        scratch = (float *)malloc((size_t)(R + C) * sizeof(float));
-        double *sums = (double *)malloc((size_t)(R + C + tasks * C) * sizeof(double));
-        if (!scratch || !sums) {
-            free(scratch);
-            free(sums);
-#if GEFEN_X86
-            free(vt);
-#endif
-            return ERR_NOMEM;
-        }
-        float *row_root = scratch, *col_root = scratch + R;
-        double *row_sq = sums, *col_sq = sums + R, *part = sums + R + C;
-        stats_ctx sctx = {a, row_sq, part, rows_per_task, level};
-        parallel_for(tasks, threads, stats_task, &sctx);
-        memset(col_sq, 0, (size_t)C * sizeof(double));
-        for (int64_t t = 0; t < tasks; t++)
-            for (int64_t c = 0; c < C; c++) col_sq[c] += part[t * C + c];
-        double total = 0.0;
-        for (int64_t r = 0; r < R; r++) {
-            float v = fmaf((float)(row_sq[r] / (double)C), a->one_minus_beta2, a->v_row[r] * a->beta2);
-            a->v_row[r] = v;
-            total += v;
-        }
-        for (int64_t c = 0; c < C; c++) {
-            float v = fmaf((float)(col_sq[c] / (double)R), a->one_minus_beta2, a->v_col[c] * a->beta2);
-            a->v_col[c] = v;
-            col_root[c] = sqrtf(v);
-        }
-        free(sums);
-        float mean = (float)(total / (double)R);
-        float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
-        for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
-        ctx.row_root = row_root;
-        ctx.col_root = col_root;
-    }
-    const int64_t P = a->period, B = a->numel / P;
-    int64_t per_task = TASK_ELEMENTS / P;
-    if (per_task < 1) per_task = 1;
-    ctx.blocks_per_task = per_task;
-    parallel_for((B + per_task - 1) / per_task, threads, block_task, &ctx);
-    free(scratch);
-#if GEFEN_X86
-    free(vt);
-#endif
     return OK;
 }
+
+/* Everything one parameter's step needs besides its record. */
+typedef struct {
+    block_ctx ctx;
+    stats_ctx sctx;
+    int64_t block_tasks, stat_tasks;
+    float *roots;  /* (R + C,) factored: row roots then column roots */
+    double *sums;  /* (R + C + stat_tasks * C,) factored */
+} param_plan;
+
+typedef struct {
+    param_plan *plans;
+    const int32_t *task_param; /* flat task -> parameter */
+    const int64_t *task_local; /* flat task -> that parameter's task */
+} flat_ctx;
+
+static void flat_stats_task(const void *ctx_, int64_t t, int64_t thread) {
+    const flat_ctx *f = (const flat_ctx *)ctx_;
+    stats_task(&f->plans[f->task_param[t]].sctx, f->task_local[t], thread);
+}
+static void flat_block_task(const void *ctx_, int64_t t, int64_t thread) {
+    const flat_ctx *f = (const flat_ctx *)ctx_;
+    block_task(&f->plans[f->task_param[t]].ctx, f->task_local[t], thread);
+}
+
+static int64_t count_tasks(const param_plan *plans, int64_t n, int stats) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += stats ? plans[i].stat_tasks : plans[i].block_tasks;
+    return total;
+}
+
+/* Run the tasks of every parameter (stats or block phase) as one parallel loop: one wake-up of the pool. tp and tl
+ * hold room for count_tasks(plans, n, stats) entries. */
+static void run_flat(param_plan *plans, int64_t n, int stats, int64_t threads, int32_t *tp, int64_t *tl) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t m = stats ? plans[i].stat_tasks : plans[i].block_tasks;
+        for (int64_t t = 0; t < m; t++, k++) {
+            tp[k] = (int32_t)i;
+            tl[k] = t;
+        }
+    }
+    if (k == 0) return;
+    flat_ctx f = {plans, tp, tl};
+    parallel_for(k, threads, stats ? flat_stats_task : flat_block_task, &f);
+}
+
+/* The factored second moment of one parameter from its row/column sums, and the roots of its step size. */
+static void factored_roots(const gefen_step_args *a, param_plan *plan) {
+    const int64_t R = a->rows, C = a->cols;
+    float *row_root = plan->roots, *col_root = plan->roots + R;
+    double *row_sq = plan->sums, *col_sq = plan->sums + R, *part = plan->sums + R + C;
+    memset(col_sq, 0, (size_t)C * sizeof(double));
+    for (int64_t t = 0; t < plan->stat_tasks; t++)
+        for (int64_t c = 0; c < C; c++) col_sq[c] += part[t * C + c];
+    double total = 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        float v = fmaf((float)(row_sq[r] / (double)C), a->one_minus_beta2, a->v_row[r] * a->beta2);
+        a->v_row[r] = v;
+        total += v;
+    }
+    for (int64_t c = 0; c < C; c++) {
+        float v = fmaf((float)(col_sq[c] / (double)R), a->one_minus_beta2, a->v_col[c] * a->beta2);
+        a->v_col[c] = v;
+        col_root[c] = sqrtf(v);
+    }
+    float mean = (float)(total / (double)R);
+    float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
+    for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
+}
+
+static void free_plans(param_plan *plans, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        free(plans[i].roots);
+        free(plans[i].sums);
+    }
+    free(plans);
+}
+
+/* One step of n parameters (records args[0..n)), all of whose tasks share two parallel loops. Every record is
+ * checked and every buffer allocated before the first write: an error return has changed nothing. */
+int gefen_step_many(const gefen_step_args *args, int64_t n) {
+    if (!args || n <= 0) return ERR_ARGS;
+    int64_t numel = 0, threads = 1;
+    for (int64_t i = 0; i < n; i++) {
+        int rc = check_args(&args[i]);
+        if (rc != OK) return rc;
+        numel += args[i].numel;
+        if (args[i].threads > threads) threads = args[i].threads;
+    }
+    if (numel < PARALLEL_MIN_ELEMENTS) threads = 1;
+    const int level = active_level();
+    param_plan *plans = (param_plan *)calloc((size_t)n, sizeof(param_plan));
+    if (!plans) return ERR_NOMEM;
+#if GEFEN_X86
+    vbmi_tables *tables[8] = {0}; /* one per distinct codebook (an optimizer has one) */
+    const gefen_step_args *owners[8] = {0};
+    int n_tables = 0;
+#endif
+    int rc = OK;
+    for (int64_t i = 0; i < n && rc == OK; i++) {
+        const gefen_step_args *a = &args[i];
+        param_plan *plan = &plans[i];
+        plan->ctx = (block_ctx){a, 0, 0, 1, level, 0, 0, 0};
+#if GEFEN_X86
+        if (level == LEVEL_VBMI && rc == OK) {
+            int found = -1;
+            for (int k = 0; k < n_tables; k++)
+                if (owners[k]->codebook == a->codebook && owners[k]->thresholds == a->thresholds &&
+                    owners[k]->lut == a->lut && owners[k]->steps == a->steps)
+                    found = k;
+            if (found < 0 && n_tables < 8) {
+                tables[n_tables] = make_vbmi_tables(a);
+                owners[n_tables] = a;
+                if (!tables[n_tables]) rc = ERR_NOMEM;
+                found = n_tables++;
+            }
+            if (found < 0) plan->ctx.level = LEVEL_AVX512; /* more than 8 codebooks in one call: gathers */
+            else plan->ctx.vt = tables[found];
+        }
+#endif
+        const int64_t P = a->period, B = a->numel / P;
+        int64_t per_task = TASK_ELEMENTS / P;
+        if (per_task < 1) per_task = 1;
+        plan->ctx.blocks_per_task = per_task;
+        plan->block_tasks = (B + per_task - 1) / per_task;
+        if (a->kind == KIND_FACTORED && rc == OK) {
+            const int64_t R = a->rows, C = a->cols;
+            int64_t rows_per_task = (TASK_ELEMENTS + C - 1) / C;
+            if ((R + rows_per_task - 1) / rows_per_task > 64) rows_per_task = (R + 63) / 64; /* partials <= 64 C */
+            plan->stat_tasks = (R + rows_per_task - 1) / rows_per_task;
+            plan->roots = (float *)malloc((size_t)(R + C) * sizeof(float));
+            plan->sums = (double *)malloc((size_t)(R + C + plan->stat_tasks * C) * sizeof(double));
+            if (!plan->roots || !plan->sums) rc = ERR_NOMEM;
+            plan->sctx = (stats_ctx){a, plan->sums, plan->sums + R + C, rows_per_task, level};
+            plan->ctx.row_root = plan->roots;
+            plan->ctx.col_root = plan->roots + R;
+        }
+    }
+    int32_t *tp = 0;
+    int64_t *tl = 0;
+    float *bufs = 0;
+    if (rc == OK) { /* block buffers: one per thread, as long as the longest block */
+        int64_t longest = 1;
+        for (int64_t i = 0; i < n; i++)
+            if (args[i].period > longest) longest = args[i].period;
+        bufs = (float *)malloc((size_t)(threads * longest) * sizeof(float));
+        if (!bufs) rc = ERR_NOMEM;
+        for (int64_t i = 0; i < n; i++) {
+            plans[i].ctx.bufs = bufs;
+            plans[i].ctx.buf_stride = longest;
+        }
+    }
+    if (rc == OK) {
+        int64_t stat_total = count_tasks(plans, n, 1), block_total = count_tasks(plans, n, 0);
+        int64_t most = stat_total > block_total ? stat_total : block_total;
+        tp = (int32_t *)malloc((size_t)most * sizeof(int32_t));
+        tl = (int64_t *)malloc((size_t)most * sizeof(int64_t));
+        if (!tp || !tl) rc = ERR_NOMEM;
+    }
+    if (rc == OK) { /* from here on nothing can fail */
+        run_flat(plans, n, 1, threads, tp, tl);
+        for (int64_t i = 0; i < n; i++)
+            if (args[i].kind == KIND_FACTORED) factored_roots(&args[i], &plans[i]);
+        run_flat(plans, n, 0, threads, tp, tl);
+    }
+    free(tp);
+    free(tl);
+    free(bufs);
+    free_plans(plans, n);
+#if GEFEN_X86
+    for (int k = 0; k < n_tables; k++) free(tables[k]);
+#endif
+    return rc;
+}
+
+int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }

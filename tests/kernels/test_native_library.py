@@ -1,0 +1,287 @@
+"""The native library itself: a property test against the reference over shapes, periods, dtypes and CPU paths,
+its argument checks, a run under AddressSanitizer, and the package's behaviour without the library."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gefen
+from gefen.kernels import native
+from gefen.kernels.reference import reference_step
+from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
+from gefen.math.lookup import build_nearest_table
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "src" / "gefen" / "kernels" / "_native" / "gefen_kernels.c"
+AVAILABLE = native.native_status().available
+needs_library = pytest.mark.skipif(not AVAILABLE, reason=f"native library: {native.native_status().reason}")
+LEVELS = ["scalar", "avx2", "avx512", "avx512vbmi"]
+LEVELS = LEVELS[: LEVELS.index(native.native_status().level) + 1] if AVAILABLE else ["scalar"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _table(seed: int, spread: float):
+    """A codebook learned from gradients of a given spread (fewer active bins for a narrow one)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    row_scale = torch.exp(spread * torch.randn(64, 1, generator=gen)).repeat(1, 512).view(-1)
+    g = torch.randn(64 * 512, generator=gen) * row_scale
+    accumulate_histogram_(counts, g, 512)
+    return build_nearest_table(fit_codebook(counts))
+
+
+TABLES = [_table(0, 1.0), _table(1, 3.0), _table(2, 0.0)]
+
+
+def _tables(table):
+    return (table.codebook, table.lut, table.thresholds)
+
+
+@st.composite
+def cases(draw):
+    kind = draw(st.sampled_from(["block", "factored", "momentum"]))
+    if kind == "factored":
+        rows, cols = draw(st.integers(1, 40)), draw(st.integers(1, 90))
+        numel, shape = rows * cols, (rows, cols)
+    else:
+        numel, shape = draw(st.integers(1, 3000)), (0, 0)
+    divisors = [d for d in range(1, numel + 1) if numel % d == 0]
+    period = draw(st.sampled_from(divisors))
+    return {
+        "kind": kind,
+        "numel": numel,
+        "shape": shape,
+        "period": period,
+        "pdt": draw(st.sampled_from(DTYPES)),
+        "gdt": draw(st.sampled_from(DTYPES)),
+        "table": draw(st.integers(0, len(TABLES) - 1)),
+        "level": draw(st.sampled_from(LEVELS)),
+        "beta1": draw(st.sampled_from([0.9, 0.5, 0.3, 0.95])),
+        "step": draw(st.integers(1, 50)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "zero_blocks": draw(st.booleans()),
+    }
+
+
+def _inputs(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    n, period = case["numel"], case["period"]
+    blocks = n // period
+    table = TABLES[case["table"]]
+    grad = (torch.randn(n, generator=gen) * torch.exp(2 * torch.randn(n, generator=gen))).to(case["gdt"])
+    codes = torch.randint(0, 256, (blocks, period), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(blocks, generator=gen) * 0.01
+    if case["zero_blocks"]:  # blocks whose magnitude is 0 (never had a gradient) and zero gradients
+        scale[::3] = 0.0
+        grad.view(blocks, period)[::2] = 0.0
+    param = torch.randn(n, generator=gen).to(case["pdt"])
+    if case["kind"] == "block":
+        second = (torch.rand(blocks, generator=gen) * 1e-6,)
+    elif case["kind"] == "factored":
+        rows, cols = case["shape"]
+        second = (torch.rand(rows, generator=gen) * 1e-6, torch.rand(cols, generator=gen) * 1e-6)
+    else:
+        second = ()
+    return table, grad, codes, scale, param, second
+
+
+@needs_library
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_native_step_matches_the_reference(case) -> None:
+    table, grad, codes, scale, param, second = _inputs(case)
+    kind = case["kind"]
+    out_ref = torch.empty(case["numel"]) if kind == "momentum" else None
+    out_nat = torch.empty(case["numel"]) if kind == "momentum" else None
+    ref = [codes.clone(), scale.clone(), param.clone(), [s.clone() for s in second]]
+    nat = [codes.clone(), scale.clone(), param.clone(), [s.clone() for s in second]]
+    common = {"period": case["period"], "beta1": case["beta1"], "shape": case["shape"], "beta2": 0.999,
+              "eps": 1e-8, "lr": 1e-2, "weight_decay": 0.1, "step": case["step"]}
+    reference_step(kind, grad=grad, codes=ref[0], scale=ref[1], table=table,
+                   param=None if kind == "momentum" else ref[2], second=tuple(ref[3]), out=out_ref, **common)
+    native.force_level(case["level"])
+    try:
+        native.native_step(kind, grad=grad, codes=nat[0], scale=nat[1], tables=_tables(table), steps=table.steps,
+                           param=None if kind == "momentum" else nat[2], second=tuple(nat[3]), out=out_nat, **common)
+    finally:
+        native.force_level(None)
+    assert torch.equal(ref[0], nat[0]), "codes"
+    assert torch.equal(ref[1], nat[1]), "magnitudes"
+    if kind == "momentum":
+        assert torch.equal(out_ref, out_nat)
+        return
+    for a, b in zip(ref[3], nat[3]):  # second moments: summation order only (see test_backends.py)
+        assert torch.allclose(a, b, rtol=2e-6, atol=0.0), (a - b).abs().max()
+    update = (ref[2].float() - param.float()).abs().max()
+    ulp = (torch.nextafter(ref[2].abs(), torch.tensor(float("inf"), dtype=ref[2].dtype)).float() - ref[2].float().abs())
+    bound = 2e-6 * update + ulp.max()
+    assert (ref[2].float() - nat[2].float()).abs().max() <= bound
+
+
+@needs_library
+def test_native_step_refuses_arguments_that_do_not_fit() -> None:
+    table = TABLES[0]
+    grad, codes, scale = torch.randn(64), torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(8)
+    param, v = torch.randn(64), torch.zeros(8)
+    good = {"grad": grad, "codes": codes, "scale": scale, "tables": _tables(table), "steps": table.steps,
+            "period": 8, "beta1": 0.9, "param": param, "second": (v,)}
+    bad = [
+        ({"period": 7}, "period 7 must divide"),
+        ({"scale": torch.zeros(7)}, "scale has 7 elements"),
+        ({"codes": torch.zeros(8, 8, dtype=torch.int32)}, "codes must be torch.uint8"),
+        ({"codes": torch.zeros(8, 8, dtype=torch.uint8).t()}, "contiguous"),
+        ({"param": torch.randn(63)}, "param has 63 elements"),
+        ({"param": torch.randn(64, dtype=torch.float64)}, "param must be a float32"),
+        ({"second": (torch.zeros(9),)}, "v has 9 elements"),
+        ({"tables": (table.codebook[:255], table.lut, table.thresholds)}, "codebook has 255"),
+        ({"steps": table.steps + 1}, "thresholds has"),
+        ({"grad": torch.randn(64, dtype=torch.float64)}, "grad dtype"),
+    ]
+    before = [t.clone() for t in (codes, scale, param, v)]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            native.native_step("block", **{**good, **change})
+    with pytest.raises(ValueError, match="factored needs"):
+        native.native_step("factored", **{**good, "second": (torch.zeros(8), torch.zeros(8)), "shape": (8, 9)})
+    with pytest.raises(ValueError, match="out is required"):
+        native.native_step("momentum", **good)
+    for a, b in zip(before, (codes, scale, param, v)):
+        assert torch.equal(a, b)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _libasan(compiler: str) -> str | None:
+    out = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return out if out and os.path.isabs(out) and os.path.exists(out) else None
+
+
+ASAN_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from gefen.kernels import native
+    from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
+    from gefen.math.lookup import build_nearest_table
+
+    status = native.native_status()
+    assert status.available, status
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    accumulate_histogram_(counts, torch.randn(4096), 64)
+    table = build_nearest_table(fit_codebook(counts))
+    tables = (table.codebook.clone(), table.lut.clone(), table.thresholds.clone())
+    levels = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    levels = levels[: levels.index(status.level) + 1]
+    gen = torch.Generator().manual_seed(0)
+    cases = 0
+    for level in levels:
+        native.force_level(level)
+        for n, shape in [(1, (1, 1)), (7, (1, 7)), (17, (17, 1)), (63, (7, 9)), (64, (8, 8)), (65, (5, 13)),
+                         (130, (2, 65)), (1000, (8, 125)), (4097, (17, 241)), (70000, (70, 1000))]:
+            for period in sorted({d for d in (1, 3, 7, 16, 17, 64, 65, 128, 1000, 1030, n) if n % d == 0}):
+                for pdt in (torch.float32, torch.bfloat16, torch.float16):
+                    for kind in ("block", "factored", "momentum"):
+                        b = n // period
+                        # fresh, exactly sized allocations: any access past an end hits a redzone
+                        grad = torch.randn(n, generator=gen).to(pdt)
+                        codes = torch.randint(0, 256, (b, period), generator=gen, dtype=torch.uint8)
+                        scale = torch.rand(b, generator=gen)
+                        param = torch.randn(n, generator=gen).to(pdt)
+                        second = {"block": (torch.rand(b),), "factored": (torch.rand(shape[0]), torch.rand(shape[1])),
+                                  "momentum": ()}[kind]
+                        out = torch.empty(n) if kind == "momentum" else None
+                        native.native_step(kind, grad=grad, codes=codes, scale=scale, tables=tables,
+                                           steps=table.steps, period=period, beta1=0.9, shape=shape,
+                                           param=None if kind == "momentum" else param, second=second, out=out,
+                                           beta2=0.999, eps=1e-8, lr=1e-3, weight_decay=0.1, step=3)
+                        cases += 1
+    print("ASAN-OK", cases)
+    """
+)
+
+
+@needs_library
+@pytest.mark.slow
+def test_native_library_under_address_sanitizer(tmp_path: Path) -> None:
+    """A test-only AddressSanitizer build of the same source, driven over every CPU path, shape class, period,
+    dtype and kind: no read or write outside any tensor (ASan aborts the process on the first one)."""
+    compiler = _compiler()
+    assert compiler is not None, "a C compiler is needed to build the sanitizer library"
+    libasan = _libasan(compiler)
+    assert libasan is not None, f"{compiler} has no libasan.so"
+    library = tmp_path / native.library_filename()
+    subprocess.run(
+        [compiler, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-ffp-contract=off", "-fPIC",
+         "-shared", "-o", str(library), str(SOURCE), "-lm"],
+        check=True,
+    )
+    env = {**os.environ, "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+           native.LIBRARY_ENV: str(library), "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, "-c", ASAN_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert "AddressSanitizer" not in result.stderr, result.stderr[-4000:]
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "ASAN-OK" in result.stdout
+    assert int(result.stdout.split("ASAN-OK")[1].split()[0]) >= 400  # every level x shape x period x dtype x kind
+
+
+FALLBACK_SCRIPT = textwrap.dedent(
+    """
+    import warnings, torch, gefen
+    from gefen.kernels import native
+    print("STATUS", native.native_status().available, native.native_status().reason)
+    p = torch.nn.Parameter(torch.randn(16, 16))
+    opt = gefen.Gefen([p], lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            p.grad = torch.randn(16, 16)
+            opt.step()
+    print("WARNINGS", sum("native CPU backend is unavailable" in str(w.message) for w in caught))
+    try:
+        gefen.Gefen([torch.nn.Parameter(torch.randn(4))], backend="native")
+    except gefen.ConfigError as exc:
+        print("REFUSED", exc)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{native.LIBRARY_ENV: "/nonexistent/libgefen_kernels.so"}, {native.DISABLE_ENV: "0"}],
+    ids=["library-missing", "disabled"],
+)
+def test_without_the_library_auto_falls_back_with_one_warning_and_native_refuses(env) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "STATUS False" in result.stdout
+    assert "WARNINGS 1" in result.stdout  # one warning over three steps, and the steps ran
+    assert "REFUSED" in result.stdout and "backend='native' cannot step it" in result.stdout
+
+
+def test_backend_option_validation() -> None:
+    p = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(gefen.ConfigError, match="backend='fast'"):
+        gefen.Gefen([p], backend="fast")
+    with pytest.raises(gefen.ConfigError, match="contradicts backend='native'"):
+        gefen.Gefen([p], backend="native", fused=True)
+    with pytest.raises(gefen.ConfigError, match=r"\['backend'\]"):
+        gefen.Gefen([{"params": [p], "backend": "gpu"}])
+    assert gefen.Gefen([p], fused=False).param_groups[0]["backend"] == "eager"
+    assert gefen.Gefen([p], fused=True).param_groups[0]["backend"] == "compiled"
+    muon = gefen.GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], backend="eager")
+    assert muon.param_groups[0]["backend"] == "eager"
