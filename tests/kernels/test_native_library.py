@@ -22,7 +22,8 @@ from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codeb
 from gefen.math.lookup import build_nearest_table
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "src" / "gefen" / "kernels" / "_native" / "gefen_kernels.c"
+#: The C source, shipped in the package too (so the installed wheel's tests can build the sanitizer library).
+SOURCE = Path(native.__file__).with_name("_native") / "gefen_kernels.c"
 AVAILABLE = native.native_status().available
 needs_library = pytest.mark.skipif(not AVAILABLE, reason=f"native library: {native.native_status().reason}")
 LEVELS = ["scalar", "avx2", "avx512", "avx512vbmi"]

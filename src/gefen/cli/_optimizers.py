@@ -134,7 +134,7 @@ def _gefen(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def _gefen_eager(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     from gefen import Gefen
 
-    return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=False)
+    return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, backend="eager")
 
 
 #: Muon hybrids: Muon lr (AdamW-scale thanks to ``adjust_lr_fn="match_rms_adamw"``), hidden-weight decay.
@@ -208,9 +208,14 @@ def _registry() -> dict[str, OptimizerSpec]:
         OptimizerSpec("adamw-foreach", _adamw_foreach, _ADAMW_LR, f"torch.optim.AdamW(foreach=True), betas={BETAS}"),
         OptimizerSpec("adafactor", _adafactor, 5e-2, "torch.optim.Adafactor; lr caps the relative step size"),
         OptimizerSpec(
-            "gefen", _gefen, 1e-3, f"gefen.Gefen (~1 byte/param of state; compiled step where available), betas={BETAS}"
+            "gefen",
+            _gefen,
+            1e-3,
+            f"gefen.Gefen (~1 byte/param of state; default backend: native on CPU), betas={BETAS}",
         ),
-        OptimizerSpec("gefen-eager", _gefen_eager, 1e-3, f"gefen.Gefen(fused=False): the eager step, betas={BETAS}"),
+        OptimizerSpec(
+            "gefen-eager", _gefen_eager, 1e-3, f"gefen.Gefen(backend='eager'): the torch reference step, betas={BETAS}"
+        ),
         OptimizerSpec(
             "gefen-muon-hybrid",
             _gefen_muon_hybrid,
