@@ -83,24 +83,49 @@ typedef struct {
     task_fn fn;
     const void *ctx;
     int64_t tasks;
+    const int64_t *cost; /* (tasks + 1,) cumulative cost of the tasks (elements), or NULL: equal costs */
 } pool_job;
+
+/* First task whose cumulative cost reaches `target` (cost is non-decreasing). */
+static int64_t first_reaching(const int64_t *cost, int64_t tasks, int64_t target) {
+    int64_t lo = 0, hi = tasks;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (cost[mid] < target) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Thread k of n takes a contiguous range of tasks: equal counts, or equal costs when costs are given. */
+static void task_range(const pool_job *job, int64_t k, int64_t n, int64_t *lo, int64_t *hi) {
+    if (!job->cost) {
+        *lo = job->tasks * k / n;
+        *hi = job->tasks * (k + 1) / n;
+        return;
+    }
+    const int64_t total = job->cost[job->tasks];
+    *lo = k == 0 ? 0 : first_reaching(job->cost, job->tasks, total / n * k + total % n * k / n);
+    *hi = k == n - 1 ? job->tasks : first_reaching(job->cost, job->tasks, total / n * (k + 1) + total % n * (k + 1) / n);
+}
 
 static void pool_worker(void *data) {
     const pool_job *job = (const pool_job *)data;
-    int64_t n = g_num_threads(), k = g_thread_num();
-    int64_t lo = job->tasks * k / n, hi = job->tasks * (k + 1) / n;
+    int64_t n = g_num_threads(), k = g_thread_num(), lo, hi;
+    task_range(job, k, n, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) job->fn(job->ctx, t, k);
 }
 
-/* Run fn(ctx, t, thread) for t in [0, tasks) on at most `threads` threads (thread < threads): each task is
+/* Run fn(ctx, t, thread) for t in [0, tasks) on at most `threads` threads (thread < threads), each thread taking
+ * a contiguous range of about equal cost (cost: cumulative, (tasks + 1,), or NULL for equal tasks). Every task is
  * independent, so the result never depends on the threads. */
-static void parallel_for(int64_t tasks, int64_t threads, task_fn fn, const void *ctx) {
+static void parallel_for_cost(int64_t tasks, int64_t threads, task_fn fn, const void *ctx, const int64_t *cost) {
     if (threads > tasks) threads = tasks;
     if (threads <= 1 || !g_parallel) {
         for (int64_t t = 0; t < tasks; t++) fn(ctx, t, 0);
         return;
     }
-    pool_job job = {fn, ctx, tasks};
+    pool_job job = {fn, ctx, tasks, cost};
     g_parallel(pool_worker, &job, (unsigned)threads, 0);
 }
 
@@ -955,18 +980,31 @@ static int64_t count_tasks(const param_plan *plans, int64_t n, int stats) {
 
 /* Run the tasks of every parameter (stats or block phase) as one parallel loop: one wake-up of the pool. tp and tl
  * hold room for count_tasks(plans, n, stats) entries. */
-static void run_flat(param_plan *plans, int64_t n, int stats, int64_t threads, int32_t *tp, int64_t *tl) {
+static void run_flat(param_plan *plans, int64_t n, int stats, int64_t threads, int32_t *tp, int64_t *tl,
+                     int64_t *cost) {
     int64_t k = 0;
+    cost[0] = 0;
     for (int64_t i = 0; i < n; i++) {
+        const gefen_step_args *a = plans[i].ctx.a;
         int64_t m = stats ? plans[i].stat_tasks : plans[i].block_tasks;
         for (int64_t t = 0; t < m; t++, k++) {
             tp[k] = (int32_t)i;
             tl[k] = t;
+            int64_t elements;
+            if (stats) {
+                int64_t r0 = t * plans[i].sctx.rows_per_task, r1 = r0 + plans[i].sctx.rows_per_task;
+                elements = ((r1 < a->rows ? r1 : a->rows) - r0) * a->cols;
+            } else {
+                int64_t blocks = a->numel / a->period, b0 = t * plans[i].ctx.blocks_per_task;
+                int64_t b1 = b0 + plans[i].ctx.blocks_per_task;
+                elements = ((b1 < blocks ? b1 : blocks) - b0) * a->period;
+            }
+            cost[k + 1] = cost[k] + elements;
         }
     }
     if (k == 0) return;
     flat_ctx f = {plans, tp, tl};
-    parallel_for(k, threads, stats ? flat_stats_task : flat_block_task, &f);
+    parallel_for_cost(k, threads, stats ? flat_stats_task : flat_block_task, &f, cost);
 }
 
 /* The factored second moment of one parameter from its row/column sums, and the roots of its step size. */
@@ -1062,7 +1100,7 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
         }
     }
     int32_t *tp = 0;
-    int64_t *tl = 0;
+    int64_t *tl = 0, *tc = 0;
     float *bufs = 0;
     if (rc == OK) { /* block buffers: one per thread, as long as the longest block */
         int64_t longest = 1;
@@ -1080,16 +1118,18 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
         int64_t most = stat_total > block_total ? stat_total : block_total;
         tp = (int32_t *)malloc((size_t)most * sizeof(int32_t));
         tl = (int64_t *)malloc((size_t)most * sizeof(int64_t));
-        if (!tp || !tl) rc = ERR_NOMEM;
+        tc = (int64_t *)malloc((size_t)(most + 1) * sizeof(int64_t));
+        if (!tp || !tl || !tc) rc = ERR_NOMEM;
     }
     if (rc == OK) { /* from here on nothing can fail */
-        run_flat(plans, n, 1, threads, tp, tl);
+        run_flat(plans, n, 1, threads, tp, tl, tc);
         for (int64_t i = 0; i < n; i++)
             if (args[i].kind == KIND_FACTORED) factored_roots(&args[i], &plans[i]);
-        run_flat(plans, n, 0, threads, tp, tl);
+        run_flat(plans, n, 0, threads, tp, tl, tc);
     }
     free(tp);
     free(tl);
+    free(tc);
     free(bufs);
     free_plans(plans, n);
 #if GEFEN_X86
