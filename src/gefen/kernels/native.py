@@ -242,6 +242,11 @@ def _require() -> ctypes.CDLL:
 
 def as_float32(value: float) -> float:
     """``value`` rounded to the nearest fp32, as a Python float."""
+    return _float32(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
@@ -398,10 +403,12 @@ def record(
     lr: float = 0.0,
     weight_decay: float = 0.0,
     step: int = 1,
+    threads: int | None = None,
 ) -> tuple[object, ...]:
     """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
 
-    The per-step constants are computed in float64 exactly as the eager reference computes its Python scalars and
+    ``threads`` defaults to ``torch.get_num_threads()``. The per-step constants are computed in float64 exactly as
+    the eager reference computes its Python scalars and
     rounded to fp32 once when the record is stored (as torch rounds a Python scalar); ``1/sqrt(bc2)`` and
     ``w − 1`` are rounded in fp32 by the library, as torch computes them. The caller keeps every tensor alive until
     :func:`run_records` returns and has checked them (:func:`native_step` does, with :func:`check_arguments`).
@@ -429,9 +436,9 @@ def record(
         NATIVE_DTYPES[param.dtype] if param is not None else 0,
         NATIVE_DTYPES[grad.dtype],
         steps,
-        int(abs(as_float32(w)) >= 0.5),
+        int(abs(_float32(w)) >= 0.5),
         _KINDS[kind],
-        torch.get_num_threads(),
+        torch.get_num_threads() if threads is None else threads,
         w,
         beta2,
         1.0 - beta2,

@@ -65,7 +65,18 @@ from gefen.sharding import (
     local_state,
     row_period,
 )
-from gefen.state import STEP, ParamState, SecondMomentKind, init_state, is_factorable
+from gefen.state import (
+    FIRST_MOMENT_CODES,
+    FIRST_MOMENT_SCALE,
+    SECOND_MOMENT,
+    SECOND_MOMENT_COL,
+    SECOND_MOMENT_ROW,
+    STEP,
+    ParamState,
+    SecondMomentKind,
+    init_state,
+    is_factorable,
+)
 
 __all__ = ["Gefen"]
 
@@ -566,57 +577,73 @@ class Gefen(GefenOptimizer):
         The backend was chosen for CPU tensors of supported dtypes; the state tensors are the optimizer's own
         (created or validated by it), so only their layout is checked here, with the full argument check of
         :func:`gefen.kernels.native.native_step` for any that is not contiguous. The library checks every record
-        before it writes anything.
+        before it writes anything. This runs once per step for every parameter, so it reads each group's
+        hyperparameters once and keeps the per-parameter work to the record itself.
         """
         if not jobs:
             return
         table = self._nearest_table(torch.device("cpu"))
         tables = (table.codebook, table.lut, table.thresholds)
-        records, keep, copies, views = [], [], [], []
+        records, keep, copies, steps = [], [], [], []
+        hyper: dict[int, tuple[float, ...]] = {}
+        threads = torch.get_num_threads()
         for item, group in jobs:
-            view = ParamState.from_dict(local_state(self.state[item.param]))
-            views.append(view)
+            state = local_state(self.state[item.param])
+            codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
+            steps.append(step)
             param = item.target.detach()  # this rank's rows of a sharded parameter
-            if param.numel() == 0:
+            numel = param.numel()
+            if numel == 0:
                 continue
             work = param if param.is_contiguous() else param.contiguous()
             if work is not param:
                 copies.append((param, work))
-            factored = view.kind == "factored"
-            second = (view.second_moment_row, view.second_moment_col) if factored else (view.second_moment,)
-            grad = kernel_grad(item.grad, (param.numel(),))
-            beta1, beta2 = (as_float(b) for b in group["betas"])
+            row = state.get(SECOND_MOMENT_ROW)
+            factored = row is not None
+            second = (row, state[SECOND_MOMENT_COL]) if factored else (state[SECOND_MOMENT],)
+            grad = item.grad
+            if grad.dtype == torch.float64 or not grad.is_contiguous():
+                grad = kernel_grad(grad, (numel,))
+            kind = "factored" if factored else "block"
             call = {
-                "grad": grad,
-                "codes": view.codes,
-                "scale": view.scale,
+                "grad": grad.view(-1),
+                "codes": codes,
+                "scale": scale,
                 "tables": tables,
                 "steps": table.steps,
-                "period": view.period,
-                "beta1": beta1,
+                "period": codes.shape[1],
                 "param": work.view(-1),
                 "second": second,
                 "shape": tuple(param.shape) if factored else (0, 0),
             }
-            state = (view.codes, view.scale, *second)
-            if not all(t.is_contiguous() for t in state):
-                check_native_arguments("factored" if factored else "block", **call)
+            if not (codes.is_contiguous() and scale.is_contiguous() and second[0].is_contiguous()) or (
+                factored and not second[1].is_contiguous()
+            ):
+                check_native_arguments(kind, **call)
             keep.append(call)
+            values = hyper.get(id(group))
+            if values is None:
+                beta1, beta2 = (as_float(b) for b in group["betas"])
+                values = (beta1, beta2, as_float(group["eps"]), as_float(group["lr"]), as_float(group["weight_decay"]))
+                hyper[id(group)] = values
+            beta1, beta2, eps, lr, weight_decay = values
             records.append(
                 native_record(
-                    "factored" if factored else "block",
+                    kind,
                     **call,
+                    beta1=beta1,
                     beta2=beta2,
-                    eps=as_float(group["eps"]),
-                    lr=as_float(group["lr"]),
-                    weight_decay=as_float(group["weight_decay"]),
-                    step=int(view.step) + 1,
+                    eps=eps,
+                    lr=lr,
+                    weight_decay=weight_decay,
+                    step=int(step) + 1,
+                    threads=threads,
                 )
             )
         run_records(records)
         for param, work in copies:
             param.copy_(work)
-        torch._foreach_add_([view.step for view in views], 1)
+        torch._foreach_add_(steps, 1)
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.

@@ -931,6 +931,13 @@ static void stats_task(const void *ctx_, int64_t task, int64_t thread) {
 /* Below this many elements the step runs on the calling thread (waking the pool costs more). */
 #define PARALLEL_MIN_ELEMENTS 65536
 
+/* Every code index read through the bucket table stays inside the tables: values in [0, 255], non-decreasing. */
+static int check_lut(const int32_t *lut) {
+    for (int b = 0; b <= 4096; b++)
+        if (lut[b] < 0 || lut[b] > 255 || (b > 0 && lut[b] < lut[b - 1])) return ERR_ARGS;
+    return OK;
+}
+
 /* Refuse a record that could make any routine read or write outside its tensors (before anything changes). */
 static int check_args(const gefen_step_args *a) {
     if (!a || a->numel <= 0 || a->period <= 0 || a->numel % a->period != 0) return ERR_ARGS;
@@ -938,8 +945,6 @@ static int check_args(const gefen_step_args *a) {
     if (a->kind < 0 || a->kind > 2 || a->steps < 0 || a->steps > 255 || !a->codes || !a->scale || !a->grad)
         return ERR_ARGS;
     if (!a->codebook || !a->lut || !a->thresholds) return ERR_ARGS;
-    for (int b = 0; b <= 4096; b++) /* every code index read through the bucket table stays inside the tables */
-        if (a->lut[b] < 0 || a->lut[b] > 255 || (b > 0 && a->lut[b] < a->lut[b - 1])) return ERR_ARGS;
     if (a->kind == KIND_BLOCK && (!a->v || !a->param)) return ERR_ARGS;
     if (a->kind == KIND_MOMENTUM && !a->out) return ERR_ARGS;
     if (a->kind == KIND_FACTORED &&
@@ -1046,6 +1051,7 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     int64_t numel = 0, threads = 1;
     for (int64_t i = 0; i < n; i++) {
         int rc = check_args(&args[i]);
+        if (rc == OK && (i == 0 || args[i].lut != args[i - 1].lut)) rc = check_lut(args[i].lut); /* once per table */
         if (rc != OK) return rc;
         numel += args[i].numel;
         if (args[i].threads > threads) threads = args[i].threads;
