@@ -180,12 +180,16 @@ class Gefen(GefenOptimizer):
         factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters whose statistics cost
             at most 0.5 byte/param (``8·(R + C) <= R·C``; thin matrices keep the block form); ``False`` uses one
             value per block for every tensor.
-        fused: the compiled fast path (one ``torch.compile``\ d kernel per parameter signature, inductor C++ on
-            CPU / Triton on CUDA; see :mod:`gefen.compiled`). ``None`` (default): use it where it works and fall
-            back to the eager step (same math) with one warning where it cannot compile; ``True``: require it
-            (``ConfigError`` at construction for float64 parameters or other devices, ``StepError`` before any
-            change if a kernel fails to compile); ``False``: always eager. Compile time is paid once per
-            signature and reported by :attr:`compile_time_s`.
+        backend: how the update runs (:mod:`gefen.kernels`; all give the same codes and magnitudes, second
+            moments equal up to the summation order). ``"auto"`` (default): the native C kernels on the CPU
+            (:mod:`gefen.kernels.native`; one warning and the eager step where the library is missing), the compiled
+            step on CUDA, the eager step otherwise (float64, other devices). ``"native"``: require the native
+            kernels (``ConfigError`` at construction where they cannot run). ``"compiled"``: one
+            ``torch.compile``\ d kernel per parameter signature (inductor C++ on CPU / Triton on CUDA; compile time
+            once per signature, reported by :attr:`compile_time_s`; ``StepError`` before any change if a kernel fails
+            to compile). ``"eager"``: the torch reference (:mod:`gefen.kernels.reference`). Per param group too.
+        fused: deprecated alias of ``backend``: ``True`` is ``"compiled"``, ``False`` is ``"eager"``, ``None`` leaves
+            ``backend`` as given; a value that contradicts an explicit ``backend`` is refused (``ConfigError``).
         deterministic: bit-identical results for identical inputs on the same hardware and thread count,
             including the first step (period search, codebook). Every reduction of ours already runs in a fixed
             order (integer histograms, no float atomics); this flag additionally builds compiled kernels with
@@ -264,8 +268,8 @@ class Gefen(GefenOptimizer):
         super().__init__(params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite)
 
     def _publish_load(self, staged: StagedLoad) -> None:
-        """Publish a load, keeping each group's live ``fused``: saved hyperparameters win as in ``torch.optim``,
-        but ``fused`` says how this process runs the step, not how the run trains (both paths give the same
+        """Publish a load, keeping each group's live ``backend`` and ``fused``: saved hyperparameters win as in
+        ``torch.optim``, but these say how this process runs the step, not how the run trains (every path gives the same
         state), so a checkpoint never switches it."""
         live = [(group.get("backend"), group.get("fused")) for group in self.param_groups]
         super()._publish_load(staged)

@@ -75,14 +75,14 @@ class GefenMuon(Gefen):
             ``"approx"``: Newton–Schulz of each rank's own rows only, no gather (cheaper; not equivalent). In
             every mode the momentum is sharded like the parameter and the period and codebook are the same on
             every rank, so checkpoints reshard between modes and world sizes.
-        fused: the compiled quantized momentum (one ``torch.compile``\ d kernel per signature, shared machinery
-            with :class:`gefen.Gefen`): ``None`` where it works, ``True`` required, ``False`` eager. Newton–Schulz
-            runs as torch matmuls either way.
+        backend, fused: how the quantized momentum runs, as for :class:`gefen.Gefen` (default ``"auto"``: natively
+            on the CPU, bit-identical to the eager momentum). Newton–Schulz runs as torch matmuls either way.
         deterministic, capturable, nonfinite: as for :class:`gefen.Gefen` (recorded in checkpoints, device-side
             counters, NaN/Inf policy); GradScaler's fp16 protocol works the same way.
 
     Raises:
-        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``fused=True`` with float64 parameters; a
+        ConfigError: a parameter is not 2-D; invalid hyperparameters; ``backend="compiled"``/``"native"`` with
+            float64 parameters (or ``"native"`` without the library); a
             policy combination that cannot be honoured (see :class:`gefen.Gefen`).
         TypeError: a non-bool flag, a non-int ``ns_steps``, an unknown keyword.
     """
