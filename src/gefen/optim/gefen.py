@@ -270,7 +270,7 @@ class Gefen(GefenOptimizer):
     def _publish_load(self, staged: StagedLoad) -> None:
         """Publish a load, keeping each group's live ``backend`` and ``fused``: saved hyperparameters win as in
         ``torch.optim``, but these say how this process runs the step, not how the run trains (every path gives the same
-        state), so a checkpoint never switches it."""
+        state), so a checkpoint never switches them."""
         live = [(group.get("backend"), group.get("fused")) for group in self.param_groups]
         super()._publish_load(staged)
         for group, (backend, fused) in zip(self.param_groups, live):
