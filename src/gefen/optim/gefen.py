@@ -25,9 +25,6 @@ from gefen.compiled import (
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
 from gefen.kernels import auto_backend, group_backend, native_supports, resolve_backend_option
-from gefen.kernels.native import check_arguments as check_native_arguments
-from gefen.kernels.native import record as native_record
-from gefen.kernels.native import run_records
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -56,6 +53,7 @@ from gefen.math.moments import (
 )
 from gefen.math.period import find_period
 from gefen.optim._base import GefenOptimizer, WorkItem
+from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
     all_reduce_,
     collective_device,
@@ -66,11 +64,6 @@ from gefen.sharding import (
     row_period,
 )
 from gefen.state import (
-    FIRST_MOMENT_CODES,
-    FIRST_MOMENT_SCALE,
-    SECOND_MOMENT,
-    SECOND_MOMENT_COL,
-    SECOND_MOMENT_ROW,
     STEP,
     ParamState,
     SecondMomentKind,
@@ -576,78 +569,9 @@ class Gefen(GefenOptimizer):
         return chosen
 
     def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs`` in one library call.
-
-        The backend was chosen for CPU tensors of supported dtypes; the state tensors are the optimizer's own
-        (created or validated by it), so only their layout is checked here, with the full argument check of
-        :func:`gefen.kernels.native.native_step` for any that is not contiguous. The library checks every record
-        before it writes anything. This runs once per step for every parameter, so it reads each group's
-        hyperparameters once and keeps the per-parameter work to the record itself.
-        """
-        if not jobs:
-            return
-        table = self._nearest_table(torch.device("cpu"))
-        tables = (table.codebook, table.lut, table.thresholds)
-        records, keep, copies, steps = [], [], [], []
-        hyper: dict[int, tuple[float, ...]] = {}
-        threads = torch.get_num_threads()
-        for item, group in jobs:
-            state = local_state(self.state[item.param])
-            codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
-            steps.append(step)
-            param = item.target.detach()  # this rank's rows of a sharded parameter
-            numel = param.numel()
-            if numel == 0:
-                continue
-            work = param if param.is_contiguous() else param.contiguous()
-            if work is not param:
-                copies.append((param, work))
-            row = state.get(SECOND_MOMENT_ROW)
-            factored = row is not None
-            second = (row, state[SECOND_MOMENT_COL]) if factored else (state[SECOND_MOMENT],)
-            grad = item.grad
-            if grad.dtype == torch.float64 or not grad.is_contiguous():
-                grad = kernel_grad(grad, (numel,))
-            kind = "factored" if factored else "block"
-            call = {
-                "grad": grad.view(-1),
-                "codes": codes,
-                "scale": scale,
-                "tables": tables,
-                "steps": table.steps,
-                "period": codes.shape[1],
-                "param": work.view(-1),
-                "second": second,
-                "shape": tuple(param.shape) if factored else (0, 0),
-            }
-            if not (codes.is_contiguous() and scale.is_contiguous() and second[0].is_contiguous()) or (
-                factored and not second[1].is_contiguous()
-            ):
-                check_native_arguments(kind, **call)
-            keep.append(call)
-            values = hyper.get(id(group))
-            if values is None:
-                beta1, beta2 = (as_float(b) for b in group["betas"])
-                values = (beta1, beta2, as_float(group["eps"]), as_float(group["lr"]), as_float(group["weight_decay"]))
-                hyper[id(group)] = values
-            beta1, beta2, eps, lr, weight_decay = values
-            records.append(
-                native_record(
-                    kind,
-                    **call,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=eps,
-                    lr=lr,
-                    weight_decay=weight_decay,
-                    step=int(step) + 1,
-                    threads=threads,
-                )
-            )
-        run_records(records)
-        for param, work in copies:
-            param.copy_(work)
-        torch._foreach_add_(steps, 1)
+        """Apply the native CPU backend to ``jobs`` in one library call (see :func:`run_native_jobs`)."""
+        if jobs:
+            run_native_jobs(self.state, jobs, self._nearest_table(torch.device("cpu")))
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.
