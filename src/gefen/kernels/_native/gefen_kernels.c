@@ -35,6 +35,8 @@
 
 #define GEFEN_ABI_VERSION 1
 
+#define INLINE __attribute__((always_inline)) inline
+
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
 enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
@@ -212,12 +214,26 @@ static inline void finish1(const gefen_step_args *a, int64_t e, float m, float i
 
 /* ------------------------------------------------------------------ per-block driver, shared by every ISA */
 typedef struct vbmi_tables vbmi_tables;
+
+/* Bucket entries for a search with one compare (the AVX2 pass 2): `buckets` uniform buckets over [-1, 1]
+ * (b = clamp(trunc((u + 1) * buckets / 2), 0, buckets - 1) in fp32, a monotone function of u), chosen as the fewest
+ * (256 .. 4096) for which no bucket holds more than one threshold below 1. Entry b is 4 fp32 slots: the first
+ * threshold not in an earlier bucket t[k] (+inf past the last), c[k], c[k + 1] (c[255] for k = 255) and k as int32
+ * bits, where k = the number of thresholds in earlier buckets. For u in bucket b the nearest code is
+ * k + (t[k] < u): a threshold of a later bucket is above u, one at or above 1 is never below u. So one 16-byte load
+ * per element replaces the bucket look-up, the threshold look-up and the codebook look-up of m_hat. */
+typedef struct {
+    float *entry; /* (buckets, 4), 16-byte aligned */
+    int64_t buckets;
+} entry_table;
+
 typedef struct {
     const gefen_step_args *a;
     const float *row_root, *col_root;
     int64_t blocks_per_task;
     int level;
-    const vbmi_tables *vt; /* LEVEL_VBMI only */
+    const vbmi_tables *vt;  /* LEVEL_VBMI only */
+    const entry_table *et; /* LEVEL_AVX2 only, when one compare suffices */
     float *bufs;           /* one block buffer of buf_stride floats per thread */
     int64_t buf_stride;
 } block_ctx;
@@ -272,6 +288,51 @@ static float pass1_scalar(const gefen_step_args *a, int64_t base, int64_t P, flo
 static void pass2_scalar(const gefen_step_args *a, int64_t base, int64_t j0, int64_t j1, const float *buf,
                          float denom, float amag, float s, const float *col_root, float row_root, int64_t c0) {
     for (int64_t j = j0; j < j1; j++) finish1(a, base + j, buf[j], denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+
+/* Bucket of u among nb uniform buckets over [-1, 1] (fp32 arithmetic as in every vector path; NaN -> 0). */
+static inline int64_t bucket_of(float u, int64_t nb) {
+    float t = (u + 1.0f) * (float)(nb / 2);
+    return (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
+}
+
+/* The entry table of a codebook (see entry_table), or 0 when more than one compare would be needed with 4096
+ * buckets, or on allocation failure (*nomem set): the callers then use the gather path. */
+static entry_table *make_entry_table(const gefen_step_args *a, int *nomem) {
+    float thr[256];
+    for (int i = 0; i < 256; i++) thr[i] = (i < 255 + a->steps) ? a->thresholds[i] : INFINITY;
+    for (int64_t nb = 256; nb <= 4096; nb *= 2) {
+        int32_t count[4096] = {0};
+        int most = 0;
+        for (int i = 0; i < 255; i++)
+            if (thr[i] < 1.0f && ++count[bucket_of(thr[i], nb)] > most) most = count[bucket_of(thr[i], nb)];
+        if (most > 1) continue;
+        entry_table *et = (entry_table *)malloc(sizeof(entry_table));
+        float *entry = (float *)aligned_alloc(64, (size_t)nb * 4 * sizeof(float));
+        if (!et || !entry) {
+            free(et);
+            free(entry);
+            *nomem = 1;
+            return 0;
+        }
+        int32_t k = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            while (k < 255 && bucket_of(thr[k], nb) < b) k++;
+            entry[4 * b] = thr[k];
+            entry[4 * b + 1] = a->codebook[k];
+            entry[4 * b + 2] = a->codebook[k < 255 ? k + 1 : 255];
+            memcpy(&entry[4 * b + 3], &k, 4);
+        }
+        et->entry = entry;
+        et->buckets = nb;
+        return et;
+    }
+    return 0;
+}
+
+static void free_entry_table(entry_table *et) {
+    if (et) free(et->entry);
+    free(et);
 }
 
 #if GEFEN_X86
@@ -373,6 +434,81 @@ T2 static void pass2_avx2(const gefen_step_args *a, int64_t base, int64_t j0, in
         st8(a->param, base + j, a->param_dtype, _mm256_fmadd_ps(d, vstep, p));
     }
     pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+
+/* u = m / den by Markstein's correction of m * (1/den) (den in [2^-64, 2^64]: the correctly rounded quotient). */
+T2 static inline __m256 quotient8(__m256 m, __m256 den, __m256 inv, int exact) {
+    if (!exact) return _mm256_div_ps(m, den);
+    __m256 q = _mm256_mul_ps(m, inv);
+    return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, den, m), inv, q);
+}
+
+/* Pass 2 with the entry table: per 8 elements 8 16-byte loads and a 4x4 transpose instead of 3 gathers. */
+T2 static INLINE void pass2_avx2e_body(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j0,
+                                       int64_t j1, const float *buf, float denom, float amag, float s,
+                                       const float *col_root, float row_root, int64_t c0, const int kind,
+                                       const int pdt) {
+    const float *entry = et->entry;
+    const __m256 vden = _mm256_set1_ps(denom), vmag = _mm256_set1_ps(amag), vs = _mm256_set1_ps(s);
+    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
+    const __m256 vinv = _mm256_set1_ps(1.0f / denom), one = _mm256_set1_ps(1.0f);
+    const __m256 vrow = _mm256_set1_ps(row_root), veps = _mm256_set1_ps(a->eps);
+    const __m256 vdecay = _mm256_set1_ps(a->decay), vstep = _mm256_set1_ps(a->step);
+    const __m256 half = _mm256_set1_ps((float)(et->buckets / 2));
+    const __m256i last = _mm256_set1_epi32((int)et->buckets - 1), zero = _mm256_setzero_si256();
+    uint8_t *const codes = a->codes;
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        const int64_t e = base + j;
+        __m256 u = quotient8(_mm256_loadu_ps(buf + j), vden, vinv, markstein);
+        __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), half));
+        b = _mm256_min_epi32(_mm256_max_epi32(b, zero), last); /* NaN / overflow -> INT_MIN -> 0 */
+        int32_t bi[8];
+        _mm256_storeu_si256((__m256i *)bi, b);
+        __m256 r[4];
+        for (int k = 0; k < 4; k++)
+            r[k] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(entry + 4 * bi[k])),
+                                        _mm_load_ps(entry + 4 * bi[k + 4]), 1);
+        __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        __m256 th = _mm256_shuffle_ps(t0, t2, 0x44), lo = _mm256_shuffle_ps(t0, t2, 0xEE);
+        __m256 hi = _mm256_shuffle_ps(t1, t3, 0x44), k0 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        __m256 pass = _mm256_cmp_ps(th, u, _CMP_LT_OQ);
+        __m256i idx = _mm256_sub_epi32(_mm256_castps_si256(k0), _mm256_castps_si256(pass));
+        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
+        _mm_storel_epi64((__m128i *)(codes + e), _mm_packus_epi16(w, w));
+        __m256 m_hat = _mm256_mul_ps(_mm256_blendv_ps(lo, hi, pass), vmag);
+        if (kind == KIND_MOMENTUM) {
+            _mm256_storeu_ps(a->out + e, m_hat);
+            continue;
+        }
+        __m256 d;
+        if (kind == KIND_FACTORED) {
+            __m256 den = _mm256_add_ps(_mm256_mul_ps(vrow, _mm256_loadu_ps(col_root + c0 + (j - j0))), veps);
+            d = _mm256_div_ps(m_hat, den);
+        } else {
+            d = _mm256_mul_ps(m_hat, vs);
+        }
+        __m256 p = _mm256_mul_ps(ld8(a->param, e, pdt), vdecay);
+        st8(a->param, e, pdt, _mm256_fmadd_ps(d, vstep, p));
+    }
+    pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
+}
+T2 static void pass2_avx2e(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j0, int64_t j1,
+                           const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
+                           int64_t c0) {
+#define P2E(kind, pdt) pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt)
+    if (a->kind == KIND_MOMENTUM) P2E(KIND_MOMENTUM, DT_F32);
+    else if (a->kind == KIND_FACTORED) {
+        if (a->param_dtype == DT_F32) P2E(KIND_FACTORED, DT_F32);
+        else if (a->param_dtype == DT_BF16) P2E(KIND_FACTORED, DT_BF16);
+        else P2E(KIND_FACTORED, DT_F16);
+    } else {
+        if (a->param_dtype == DT_F32) P2E(KIND_BLOCK, DT_F32);
+        else if (a->param_dtype == DT_BF16) P2E(KIND_BLOCK, DT_BF16);
+        else P2E(KIND_BLOCK, DT_F16);
+    }
+#undef P2E
 }
 
 /* ---------------- AVX-512 (F, BW, VL): 16 lanes */
@@ -587,7 +723,6 @@ TV static inline __m512i bytes256(const __m512i t[4], __m512i idx) {
     return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
 }
 
-#define INLINE __attribute__((always_inline)) inline
 /* Software prefetch distance of the streams (gradient, codes, parameter), in elements ahead. */
 #ifndef PREFETCH_ELEMENTS
 #define PREFETCH_ELEMENTS 1024
@@ -802,6 +937,7 @@ static void block_task(const void *ctx_, int64_t task, int64_t thread) {
     float *buf = ctx->bufs + thread * ctx->buf_stride;
 #if GEFEN_X86
     const vbmi_tables *vt = ctx->level == LEVEL_VBMI ? ctx->vt : 0;
+    const entry_table *et = ctx->level == LEVEL_AVX2 ? ctx->et : 0;
     if (vt) p1 = pass1_avx512; /* the VBMI passes are called directly below */
 #else
     const void *vt = 0;
@@ -830,6 +966,7 @@ static void block_task(const void *ctx_, int64_t task, int64_t thread) {
                 int64_t len = C - c < P - j ? C - c : P - j;
 #if GEFEN_X86
                 if (vt) pass2_vbmi(a, vt, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+                else if (et) pass2_avx2e(a, et, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
                 else
 #endif
                     p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
@@ -838,6 +975,7 @@ static void block_task(const void *ctx_, int64_t task, int64_t thread) {
         } else {
 #if GEFEN_X86
             if (vt) pass2_vbmi(a, vt, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
+            else if (et) pass2_avx2e(a, et, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
             else
 #endif
                 p2(a, base, 0, P, buf, denom, amag, s, 0, 0.0f, 0);
@@ -1062,6 +1200,7 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     if (!plans) return ERR_NOMEM;
 #if GEFEN_X86
     vbmi_tables *tables[8] = {0}; /* one per distinct codebook (an optimizer has one) */
+    entry_table *entries[8] = {0};
     const gefen_step_args *owners[8] = {0};
     int n_tables = 0;
 #endif
@@ -1069,22 +1208,26 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     for (int64_t i = 0; i < n && rc == OK; i++) {
         const gefen_step_args *a = &args[i];
         param_plan *plan = &plans[i];
-        plan->ctx = (block_ctx){a, 0, 0, 1, level, 0, 0, 0};
+        plan->ctx = (block_ctx){a, 0, 0, 1, level, 0, 0, 0, 0};
 #if GEFEN_X86
-        if (level == LEVEL_VBMI && rc == OK) {
-            int found = -1;
+        if ((level == LEVEL_VBMI || level == LEVEL_AVX2) && rc == OK) {
+            int found = -1, nomem = 0;
             for (int k = 0; k < n_tables; k++)
                 if (owners[k]->codebook == a->codebook && owners[k]->thresholds == a->thresholds &&
                     owners[k]->lut == a->lut && owners[k]->steps == a->steps)
                     found = k;
             if (found < 0 && n_tables < 8) {
-                tables[n_tables] = make_vbmi_tables(a);
+                if (level == LEVEL_VBMI) nomem = !(tables[n_tables] = make_vbmi_tables(a));
+                else entries[n_tables] = make_entry_table(a, &nomem);
                 owners[n_tables] = a;
-                if (!tables[n_tables]) rc = ERR_NOMEM;
+                if (nomem) rc = ERR_NOMEM;
                 found = n_tables++;
             }
-            if (found < 0) plan->ctx.level = LEVEL_AVX512; /* more than 8 codebooks in one call: gathers */
-            else plan->ctx.vt = tables[found];
+            if (found < 0 && level == LEVEL_VBMI) plan->ctx.level = LEVEL_AVX512; /* > 8 codebooks: gathers */
+            if (found >= 0) {
+                plan->ctx.vt = tables[found];
+                plan->ctx.et = entries[found]; /* 0: more than one compare needed, gathers */
+            }
         }
 #endif
         const int64_t P = a->period, B = a->numel / P;
@@ -1139,7 +1282,10 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     free(bufs);
     free_plans(plans, n);
 #if GEFEN_X86
-    for (int k = 0; k < n_tables; k++) free(tables[k]);
+    for (int k = 0; k < n_tables; k++) {
+        free(tables[k]);
+        free_entry_table(entries[k]);
+    }
 #endif
     return rc;
 }
