@@ -43,6 +43,7 @@ __all__ = [
     "StepArgs",
     "library_filename",
     "native_status",
+    "kmeans_centres",
     "cpu_level_name",
     "force_level",
     "native_step",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -177,6 +178,9 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
         return None, NativeStatus(False, reason, path=str(path))
     lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gefen_step_many.restype = ctypes.c_int
+    pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer]
+    lib.gefen_kmeans_centres.restype = ctypes.c_int
     lib.gefen_cpu_level.restype = ctypes.c_int
     lib.gefen_force_level.argtypes = [ctypes.c_int]
     lib.gefen_force_level.restype = ctypes.c_int
@@ -473,3 +477,40 @@ def run_records(records: list[tuple[object, ...]]) -> None:
     rc = lib.gefen_step_many(array.ctypes.data, len(records))
     if rc != 0:
         raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")
+
+
+def kmeans_centres(
+    prefix: np.ndarray, k: int, force_endpoints: bool, slack: tuple[float, float]
+) -> np.ndarray:
+    """The layers and backtrack of the exact 1-D k-means of the codebook fit, natively.
+
+    The same programme, float64 arithmetic and tie rule as :func:`gefen.math.codebook.optimal_partition_centers`
+    (which prepares the arguments and remains the reference); each layer by divide and conquer on the monotone
+    arg-min with the reference's rounding-slack windows, so the centres are identical.
+
+    Args:
+        prefix: (3, A + 1) float64, C-contiguous: the prefix sums W, X, Q of weights, weighted points and
+            weighted squares.
+        k: number of clusters, ``2 <= k <= A``.
+        force_endpoints: pin the first centre to -1 and the last to +1.
+        slack: ``(c0, c1)``, the rounding bound of ``gefen.math.codebook._rounding_slack``.
+
+    Returns:
+        (k,) float64 centres, ascending.
+
+    Raises:
+        RuntimeError: the library is unavailable, or refused the arguments, or ran out of memory.
+
+    Source: algorithm.md §4.3, §13.2.
+    """
+    lib = _require()
+    prefix = np.ascontiguousarray(prefix, dtype=np.float64)
+    if prefix.ndim != 2 or prefix.shape[0] != 3:
+        raise RuntimeError(f"kmeans_centres needs (3, A + 1) prefix sums, got shape {prefix.shape}")
+    size = prefix.shape[1] - 1
+    out = np.empty(k, dtype=np.float64)
+    rows = [prefix[r].ctypes.data for r in range(3)]
+    rc = lib.gefen_kmeans_centres(*rows, size, k, int(force_endpoints), slack[0], slack[1], out.ctypes.data)
+    if rc != 0:
+        raise RuntimeError(f"gefen native k-means refused its arguments (code {rc}: A={size}, k={k})")
+    return out

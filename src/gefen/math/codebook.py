@@ -85,7 +85,7 @@ def bin_centers() -> Tensor:
 
 
 def optimal_partition_centers(
-    points: np.ndarray, weights: np.ndarray, k: int, force_endpoints: bool = True
+    points: np.ndarray, weights: np.ndarray, k: int, force_endpoints: bool = True, backend: str = "auto"
 ) -> np.ndarray:
     """Exact optimal weighted 1-D k-means of sorted points, bit-identical to the dynamic programme of §4.3.
 
@@ -105,13 +105,18 @@ def optimal_partition_centers(
         weights: (A,) finite and > 0 (the bin counts ``n``).
         k: number of clusters, ``1 <= k <= A`` (``k >= 2`` when ``force_endpoints``).
         force_endpoints: pin the first centre to -1 and the last to +1 (the optimizer's setting).
+        backend: ``"numpy"`` (this module, the reference), ``"native"`` (the same layers by divide and conquer in
+            the native library, :func:`gefen.kernels.native.kmeans_centres`: identical centres in milliseconds)
+            or ``"auto"`` (native when the library is loaded).
 
     Returns:
         (k,) float64 centres, sorted ascending.
 
     Raises:
         ValueError: shapes, values or ``k`` out of range, or weights so unbalanced that float64 prefix sums
-            lose more than half the smallest weight (never for integer counts summing to < 2**51).
+            lose more than half the smallest weight (never for integer counts summing to < 2**51); an unknown
+            ``backend``.
+        RuntimeError: ``backend="native"`` without the native library.
 
     Source: algorithm.md §4.3 (programme, tie rule), §13.2 (fast exact method required).
     """
@@ -126,6 +131,13 @@ def optimal_partition_centers(
     W, X, Q = prefix
     rows = size - k + 1  # layer c only needs ends e = c .. c + rows - 1 (the others cannot reach (A, k))
     slack = _rounding_slack(z, n, tx, tq, prefix)
+    if backend not in ("auto", "native", "numpy"):
+        raise ValueError(f"optimal_partition_centers: backend must be 'auto', 'native' or 'numpy', got {backend!r}")
+    if backend != "numpy" and k >= 2:
+        from gefen.kernels import native
+
+        if backend == "native" or native.native_status().available:
+            return np.sort(native.kmeans_centres(prefix, k, force_endpoints, slack))
     e = np.arange(1, rows + 1)
     F = 0.0 + _cost(W[e] - W[0], X[e] - X[0], Q[e] - Q[0], -1.0 if force_endpoints else None)
     history = {1: (F, None, None)}  # cluster c -> (F, L, R) over ends e = c + j

@@ -33,7 +33,7 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 1
+#define GEFEN_ABI_VERSION 2
 
 #define INLINE __attribute__((always_inline)) inline
 
@@ -1298,3 +1298,6 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
 }
 
 int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }
+
+/* ------------------------------------------------------------------ first step: the codebook fit */
+#include "gefen_codebook.c"

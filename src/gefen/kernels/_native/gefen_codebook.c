@@ -1,0 +1,143 @@
+/*
+ * The exact 1-D optimal k-means of the codebook fit (algorithm.md section 4.3, section 13.2), natively.
+ * Included by gefen_kernels.c (one shared library, one translation unit).
+ *
+ * The programme and its arithmetic are those of gefen.math.codebook.optimal_partition_centers, operation for
+ * operation in float64 (the file is compiled with -ffp-contract=off, so no multiply-add is fused): prefix sums
+ * W, X, Q (computed by the caller); a free cluster over points s..e costs q - x*x/w with w = W[e] - W[s-1], etc.;
+ * the first cluster is pinned to -1 (q + 2x + w) and the last to +1 (q - 2x + w) when force_endpoints is set;
+ * F[c][e] = min over s of F[c-1][s-1] + cost(s, e), first minimum on ties; backtrack from (A, k).
+ *
+ * Each layer's row minima come from divide and conquer on the monotone arg-min with tolerance windows: the
+ * caller's rounding slack (c0, c1) bounds how far the computed candidates can stray from a Monge array, and with
+ * tol = 8 (c0 + c1 max|F[c-1]|) every candidate outside [L of the nearest solved row above, R of the nearest solved
+ * row below] is provably worse than the row's minimum (see gefen.math.codebook._Layer). So the minima and the
+ * first arg-minima equal the plain O(k A^2) scan's, near-ties included, in O(k A log A) evaluations.
+ */
+
+typedef struct {
+    const double *W, *X, *Q; /* prefix sums, (A + 1,) each */
+    const double *F_prev;    /* (rows,) */
+    double *F;               /* (rows,) this layer */
+    int32_t *L, *R, *arg;    /* (rows,) window ends and first arg-min */
+    double *scratch;         /* (rows,) candidate values of one row */
+    int64_t c;               /* cluster index (1-based), 2 <= c <= k - 1 */
+    int avx2;                /* the CPU has AVX2 */
+    double tol;
+} dp_layer;
+
+#if GEFEN_X86
+/* v[i] = F[i] + (q - x * x / w) for i in [lo, hi], four at a time (the same IEEE operations); returns the first i
+ * left to do. */
+__attribute__((target("avx2"))) static int64_t dp_values_avx2(double We, double Xe, double Qe, const double *W,
+                                                              const double *X, const double *Q, const double *F,
+                                                              double *v, int64_t lo, int64_t hi) {
+    const __m256d we = _mm256_set1_pd(We), xe = _mm256_set1_pd(Xe), qe = _mm256_set1_pd(Qe);
+    int64_t i = lo;
+    for (; i + 3 <= hi; i += 4) {
+        __m256d w = _mm256_sub_pd(we, _mm256_loadu_pd(W + i)), x = _mm256_sub_pd(xe, _mm256_loadu_pd(X + i));
+        __m256d q = _mm256_sub_pd(qe, _mm256_loadu_pd(Q + i));
+        __m256d cost = _mm256_sub_pd(q, _mm256_div_pd(_mm256_mul_pd(x, x), w));
+        _mm256_storeu_pd(v + i, _mm256_add_pd(_mm256_loadu_pd(F + i), cost));
+    }
+    return i;
+}
+#endif
+
+/* Row j of a layer: minimum of F_prev[i] + cost(c + i, c + j) over lo <= i <= hi, its first arg-min and the
+ * first / last i within tol of it. */
+static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi) {
+    const int64_t e = ly->c + j;
+    const double We = ly->W[e], Xe = ly->X[e], Qe = ly->Q[e];
+    const double *W = ly->W + ly->c - 1, *X = ly->X + ly->c - 1, *Q = ly->Q + ly->c - 1, *F = ly->F_prev;
+    double *v = ly->scratch + lo;
+    int64_t i = lo;
+#if GEFEN_X86
+    if (ly->avx2) i = dp_values_avx2(We, Xe, Qe, W, X, Q, F, v - lo, lo, hi);
+#endif
+    for (; i <= hi; i++) {
+        const double w = We - W[i], x = Xe - X[i], q = Qe - Q[i];
+        v[i - lo] = F[i] + (q - x * x / w);
+    }
+    double m = INFINITY;
+    int64_t best = lo;
+    for (int64_t i = lo; i <= hi; i++)
+        if (v[i - lo] < m) m = v[i - lo], best = i;
+    const double limit = m + ly->tol;
+    int64_t first = lo;
+    while (first <= hi && !(v[first - lo] <= limit)) first++;
+    int64_t last = hi;
+    while (last >= lo && !(v[last - lo] <= limit)) last--;
+    ly->F[j] = m;
+    ly->arg[j] = (int32_t)best;
+    ly->L[j] = (int32_t)first;
+    ly->R[j] = (int32_t)last;
+}
+
+/* Rows a..b, whose arg-minima lie in [lo, hi] (row j also needs i <= j). */
+static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_t hi) {
+    while (a <= b) {
+        const int64_t mid = (a + b) / 2;
+        dp_row(ly, mid, lo, hi < mid ? hi : mid);
+        dp_rows(ly, a, mid - 1, lo, ly->R[mid]);
+        a = mid + 1; /* the lower half iteratively: depth stays log2(rows) */
+        lo = ly->L[mid];
+    }
+}
+
+static double pinned_or_free(double w, double x, double q, int pin) {
+    if (pin < 0) return q + 2.0 * x + w;
+    if (pin > 0) return q - 2.0 * x + w;
+    return q - x * x / w;
+}
+
+/* The k centres (ascending) of the optimal partition of A sorted points with prefix sums W, X, Q (A + 1 each,
+ * W[0] = X[0] = Q[0] = 0 not required: differences are taken). Needs 2 <= k <= A. Returns OK, ERR_ARGS or
+ * ERR_NOMEM (then centres is untouched). */
+int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int64_t A, int64_t k,
+                         int64_t force_endpoints, double slack0, double slack1, double *centres) {
+    if (!W || !X || !Q || !centres || k < 2 || A < k || A > (int64_t)1 << 30) return ERR_ARGS;
+    const int64_t rows = A - k + 1;
+    double *F = (double *)malloc((size_t)rows * sizeof(double));
+    double *G = (double *)malloc((size_t)rows * sizeof(double));
+    double *scratch = (double *)malloc((size_t)rows * sizeof(double));
+    double *out = (double *)malloc((size_t)k * sizeof(double));
+    int32_t *L = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
+    int32_t *R = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
+    int32_t *args = (int32_t *)malloc((size_t)rows * (size_t)k * sizeof(int32_t)); /* row c: layer c's arg-min */
+    if (!F || !G || !scratch || !out || !L || !R || !args) {
+        free(F), free(G), free(scratch), free(out), free(L), free(R), free(args);
+        return ERR_NOMEM;
+    }
+    const int pin = force_endpoints ? 1 : 0, avx2 = active_level() >= LEVEL_AVX2;
+    for (int64_t j = 0; j < rows; j++) /* cluster 1 ends at e = 1 + j */
+        F[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
+    for (int64_t c = 2; c < k; c++) {
+        double most = 0.0;
+        for (int64_t j = 0; j < rows; j++)
+            if (fabs(F[j]) > most) most = fabs(F[j]);
+        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, avx2, 8.0 * (slack0 + slack1 * most)};
+        dp_rows(&ly, 0, rows - 1, 0, rows - 1);
+        double *t = F;
+        F = G;
+        G = t;
+    }
+    /* the last cluster runs from s = k + i to A */
+    int64_t i = 0;
+    double best = INFINITY;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t s1 = k - 1 + r;
+        const double v = F[r] + pinned_or_free(W[A] - W[s1], X[A] - X[s1], Q[A] - Q[s1], pin);
+        if (v < best) best = v, i = r;
+    }
+    out[k - 1] = pin ? 1.0 : (X[A] - X[k - 1 + i]) / (W[A] - W[k - 1 + i]);
+    for (int64_t c = k - 1; c >= 2; c--) {
+        const int64_t j = i, e = c + j;
+        i = args[c * rows + j];
+        out[c - 1] = (X[e] - X[c - 1 + i]) / (W[e] - W[c - 1 + i]);
+    }
+    out[0] = pin ? -1.0 : (X[1 + i] - X[0]) / (W[1 + i] - W[0]);
+    memcpy(centres, out, (size_t)k * sizeof(double)); /* ascending by construction; the caller sorts anyway */
+    free(F), free(G), free(scratch), free(out), free(L), free(R), free(args);
+    return OK;
+}
