@@ -207,6 +207,19 @@ ASAN_SCRIPT = textwrap.dedent(
                                            param=None if kind == "momentum" else param, second=second, out=out,
                                            beta2=0.999, eps=1e-8, lr=1e-3, weight_decay=0.1, step=3)
                         cases += 1
+    # the first step's routines: the k-means layers and the histogram, on exactly sized arrays
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for size, k in ((2, 2), (3, 2), (300, 255), (4096, 255), (600, 17)):
+        z, n = np.sort(rng.uniform(-1, 1, size)), rng.integers(1, 50, size).astype(np.float64)
+        for force in (True, False):
+            from gefen.math.codebook import optimal_partition_centers
+            optimal_partition_centers(z, n, k, force, backend="native")
+            cases += 1
+    for n, period in ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071)):
+        counts = torch.zeros(4096, dtype=torch.int64)
+        assert native.histogram_(counts, torch.randn(n, generator=gen), period) and int(counts.sum()) == n
+        cases += 1
     print("ASAN-OK", cases)
     """
 )

@@ -44,6 +44,7 @@ __all__ = [
     "library_filename",
     "native_status",
     "kmeans_centres",
+    "histogram_",
     "cpu_level_name",
     "force_level",
     "native_step",
@@ -181,6 +182,8 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer]
     lib.gefen_kmeans_centres.restype = ctypes.c_int
+    lib.gefen_histogram.argtypes = [pointer, int64, int64, pointer, int64]
+    lib.gefen_histogram.restype = ctypes.c_int
     lib.gefen_cpu_level.restype = ctypes.c_int
     lib.gefen_force_level.argtypes = [ctypes.c_int]
     lib.gefen_force_level.restype = ctypes.c_int
@@ -514,3 +517,35 @@ def kmeans_centres(
     if rc != 0:
         raise RuntimeError(f"gefen native k-means refused its arguments (code {rc}: A={size}, k={k})")
     return out
+
+
+def histogram_(counts: Tensor, g: Tensor, period: int) -> bool:
+    """Add the codebook histogram of one fp32 gradient to ``counts`` natively, on torch's threads.
+
+    The bins of :func:`gefen.math.codebook.accumulate_histogram_` (the reference), computed with the same fp32
+    operations (true division by the block maximum), so the counts are identical.
+
+    Args:
+        counts: (4096,) int64, CPU, contiguous; updated in place.
+        g: fp32, CPU, contiguous, ``g.numel() % period == 0``.
+        period: elements per block, >= 1.
+
+    Returns:
+        ``True`` when added; ``False`` (``counts`` untouched) when ``g`` holds a NaN or an infinity.
+
+    Raises:
+        RuntimeError: the library is unavailable, or the arguments do not fit.
+
+    Source: algorithm.md §4.2.
+    """
+    lib = _require()
+    fits = counts.dtype == torch.int64 and counts.numel() == 4096 and counts.is_contiguous() and not counts.is_cuda
+    if not (fits and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu"):
+        raise RuntimeError("histogram_ needs (4096,) int64 counts and a contiguous fp32 CPU gradient")
+    numel = g.numel()
+    if period < 1 or numel == 0 or numel % period:
+        raise RuntimeError(f"histogram_: period {period} does not divide {numel} elements")
+    rc = lib.gefen_histogram(g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise RuntimeError("gefen native histogram: out of memory")
+    return rc == 0

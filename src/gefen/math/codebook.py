@@ -57,6 +57,8 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
             f"accumulate_histogram_: period={period!r} must be a positive int dividing g.numel()={g.numel()}."
         )
     flat = g.reshape(-1)
+    if _native_histogram_(counts, flat, period):
+        return counts
     rows = max(1, _CHUNK_ELEMENTS // period)
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=g.device)
     for start in range(0, g.numel(), rows * period):
@@ -69,6 +71,26 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
         total += torch.bincount(bins.reshape(-1), minlength=HISTOGRAM_BINS)
     counts += total.to(counts.device)
     return counts
+
+
+def _native_histogram_(counts: Tensor, flat: Tensor, period: int) -> bool:
+    """The histogram of a contiguous fp32 CPU gradient by the native library (identical counts); ``False`` when
+    that does not apply (other dtype or device, no library), so the torch code below runs instead.
+
+    Raises:
+        ValueError: a non-finite value (``counts`` untouched), as the torch code does.
+    """
+    if flat.dtype != torch.float32 or flat.device.type != "cpu" or counts.device.type != "cpu":
+        return False
+    if not flat.is_contiguous() or not counts.is_contiguous():
+        return False
+    from gefen.kernels import native
+
+    if not native.native_status().available:
+        return False
+    if not native.histogram_(counts, flat, period):
+        raise ValueError("accumulate_histogram_: g has NaN or Inf values; skip or unscale this step.")
+    return True
 
 
 def bin_centers() -> Tensor:

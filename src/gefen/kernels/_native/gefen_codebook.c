@@ -141,3 +141,89 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     free(F), free(G), free(scratch), free(out), free(L), free(R), free(args);
     return OK;
 }
+
+/* ------------------------------------------------------------------ the codebook histogram (algorithm.md 4.2) */
+/* Per block of `period` elements: a = max|g| (1 where a = 0), u = g / a in fp32, bin = clamp(floor((u + 1) * 2048),
+ * 0, 4095), as gefen.math.codebook.accumulate_histogram_ computes it. Integer counts: any order gives the same sum. */
+typedef struct {
+    const float *g;
+    int64_t period, blocks_per_task, blocks;
+    int64_t *partial; /* (threads, 4096) */
+    int *bad;         /* (threads,) a non-finite value was seen */
+    int avx2;
+} hist_ctx;
+
+#if GEFEN_X86
+__attribute__((target("avx2"))) static int64_t hist_bins_avx2(const float *x, int64_t n, float a, int32_t *bins) {
+    const __m256 va = _mm256_set1_ps(a), one = _mm256_set1_ps(1.0f), scale = _mm256_set1_ps(2048.0f);
+    const __m256i top = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 u = _mm256_div_ps(_mm256_loadu_ps(x + i), va);
+        __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), scale)); /* >= 0: trunc = floor */
+        _mm256_storeu_si256((__m256i *)(bins + i), _mm256_min_epi32(_mm256_max_epi32(b, zero), top));
+    }
+    return i;
+}
+#endif
+
+static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
+    const hist_ctx *h = (const hist_ctx *)ctx_;
+    int64_t *counts = h->partial + thread * 4096;
+    int32_t bins[1024];
+    int64_t b0 = task * h->blocks_per_task, b1 = b0 + h->blocks_per_task;
+    if (b1 > h->blocks) b1 = h->blocks;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *x = h->g + b * h->period;
+        float a = 0.0f;
+        int finite = 1;
+        for (int64_t i = 0; i < h->period; i++) {
+            float v = fabsf(x[i]);
+            finite &= v <= 3.4028234663852886e38f; /* false for inf and NaN */
+            a = v > a ? v : a;
+        }
+        if (!finite) {
+            h->bad[thread] = 1;
+            return;
+        }
+        if (!(a > 0.0f)) a = 1.0f;
+        for (int64_t j = 0; j < h->period; j += 1024) {
+            const int64_t n = h->period - j < 1024 ? h->period - j : 1024;
+            int64_t i = 0;
+#if GEFEN_X86
+            if (h->avx2) i = hist_bins_avx2(x + j, n, a, bins);
+#endif
+            for (; i < n; i++) {
+                float t = (x[j + i] / a + 1.0f) * 2048.0f;
+                bins[i] = t < 4095.0f ? (int32_t)t : 4095;
+            }
+            for (i = 0; i < n; i++) counts[bins[i]]++;
+        }
+    }
+}
+
+/* counts[0..4096) += the histogram of g (numel fp32 values, blocks of `period`). Returns OK, ERR_ARGS (bad sizes,
+ * or a non-finite value: counts untouched) or ERR_NOMEM. */
+int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *counts, int64_t threads) {
+    if (!g || !counts || numel <= 0 || period <= 0 || numel % period != 0) return ERR_ARGS;
+    if (threads < 1 || numel < PARALLEL_MIN_ELEMENTS) threads = 1;
+    int64_t *partial = (int64_t *)calloc((size_t)threads * 4096, sizeof(int64_t));
+    int *bad = (int *)calloc((size_t)threads, sizeof(int));
+    if (!partial || !bad) {
+        free(partial), free(bad);
+        return ERR_NOMEM;
+    }
+    const int64_t blocks = numel / period;
+    int64_t per_task = TASK_ELEMENTS / period;
+    if (per_task < 1) per_task = 1;
+    hist_ctx h = {g, period, per_task, blocks, partial, bad, active_level() >= LEVEL_AVX2};
+    parallel_for_cost((blocks + per_task - 1) / per_task, threads, hist_task, &h, 0);
+    int rc = OK;
+    for (int64_t t = 0; t < threads; t++)
+        if (bad[t]) rc = ERR_ARGS;
+    if (rc == OK)
+        for (int64_t t = 0; t < threads; t++)
+            for (int k = 0; k < 4096; k++) counts[k] += partial[t * 4096 + k];
+    free(partial), free(bad);
+    return rc;
+}

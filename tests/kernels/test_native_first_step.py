@@ -1,0 +1,129 @@
+"""The first step's native pieces against their references: the exact k-means of the codebook fit (identical
+centres, near-ties included), the codebook histogram (identical counts, non-finite input refused untouched), and
+the in-place period score (identical to the plain ``diff()`` chain of algorithm.md §3.2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gefen.kernels import native
+from gefen.math import codebook
+from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
+from gefen.math.period import divisors, period_scores
+
+AVAILABLE = native.native_status().available
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"native library: {native.native_status().reason}")
+
+
+@st.composite
+def partitions(draw):
+    """Sorted points (bin centres or arbitrary), positive weights (flat, skewed, tied) and a cluster count."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    size = draw(st.sampled_from([2, 3, 17, 255, 256, 300, 1000, 4096]))
+    if draw(st.booleans()):
+        z = bin_centers().numpy()[np.sort(rng.choice(HISTOGRAM_BINS, size, replace=False))].astype(np.float64)
+    else:
+        z = np.sort(rng.uniform(-1.0, 1.0, size))
+    style = draw(st.sampled_from(["flat", "skewed", "equal"]))
+    if style == "flat":
+        n = rng.integers(1, 1000, size).astype(np.float64)
+    elif style == "skewed":
+        n = np.round(np.exp(rng.normal(0.0, 4.0, size))) + 1.0
+    else:  # equal weights on a symmetric grid: many exact ties between partitions
+        n, z = np.ones(size), np.linspace(-1.0, 1.0, size)
+    k = draw(st.integers(2, min(size, 256)))
+    return z, n, k, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(partitions())
+def test_native_kmeans_equals_the_numpy_reference(case) -> None:
+    z, n, k, force = case
+    expected = optimal_partition_centers(z, n, k, force, backend="numpy")
+    got = optimal_partition_centers(z, n, k, force, backend="native")
+    assert got.dtype == np.float64 and got.shape == (k,)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_native_kmeans_full_histogram_and_bad_backend() -> None:
+    rng = np.random.default_rng(5)
+    counts = np.round(1e5 * np.exp(-0.5 * (bin_centers().numpy() / 0.3) ** 2)) + rng.integers(0, 3, HISTOGRAM_BINS)
+    active = counts > 0
+    z, n = bin_centers().numpy()[active].astype(np.float64), counts[active].astype(np.float64)
+    expected = optimal_partition_centers(z, n, 255, True, backend="numpy")
+    np.testing.assert_array_equal(optimal_partition_centers(z, n, 255, True, backend="native"), expected)
+    assert expected[0] == -1.0 and expected[-1] == 1.0
+    with pytest.raises(ValueError, match="backend"):
+        optimal_partition_centers(z, n, 255, True, backend="gpu")
+
+
+def _torch_histogram(g: torch.Tensor, period: int) -> torch.Tensor:
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    original = codebook._native_histogram_
+    codebook._native_histogram_ = lambda *args: False  # the torch code path, the reference
+    try:
+        codebook.accumulate_histogram_(counts, g, period)
+    finally:
+        codebook._native_histogram_ = original
+    return counts
+
+
+@pytest.mark.parametrize(
+    "shape,period", [((1,), 1), ((7,), 7), ((64, 64), 1), ((1000, 7), 7), ((513, 129), 129), ((300, 4096), 4096)]
+)
+def test_native_histogram_equals_the_torch_reference(shape, period) -> None:
+    gen = torch.Generator().manual_seed(period)
+    g = torch.randn(shape, generator=gen) * torch.exp(3 * torch.randn(shape, generator=gen))
+    g.view(-1)[: period * 2] = 0.0  # all-zero blocks divide by 1
+    g.view(-1)[-1] = -g.abs().max()  # a block maximum that is negative
+    expected = _torch_histogram(g, period)
+    counts = torch.full((HISTOGRAM_BINS,), 3, dtype=torch.int64)
+    codebook.accumulate_histogram_(counts, g, period)
+    torch.testing.assert_close(counts - 3, expected, rtol=0, atol=0)
+    assert int(expected.sum()) == g.numel()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_native_histogram_refuses_non_finite_values_untouched(bad) -> None:
+    g = torch.randn(200_000)
+    g[123_456] = bad
+    counts = torch.arange(HISTOGRAM_BINS, dtype=torch.int64)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codebook.accumulate_histogram_(counts, g, 64)
+    assert torch.equal(counts, torch.arange(HISTOGRAM_BINS, dtype=torch.int64))
+    assert native.histogram_(counts, g, 64) is False
+
+
+def _plain_scores(x: torch.Tensor, candidates: list[int]) -> list[float]:
+    """algorithm.md §3.2 step 3 written as the plain chain of fresh tensors."""
+    logs = torch.log(x.reshape(-1).to(torch.float64) + 1e-12)
+    logs = logs - logs.mean()
+    prefix = torch.zeros(x.numel() + 1, dtype=torch.float64)
+    torch.cumsum(logs, dim=0, out=prefix[1:])
+    scores = []
+    for p in candidates:
+        edges = prefix[::p]
+        scores.append(((edges[1:] - edges[:-1]) / p).diff().abs().mean())
+    return torch.stack(scores).tolist()
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (64, 7), (512, 512), (1408, 512), (3, 5, 7, 11)])
+@pytest.mark.parametrize("pattern", ["noise", "periodic", "sparse"])
+def test_period_scores_in_place_equal_the_plain_chain(shape, pattern) -> None:
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=gen)
+    if pattern == "periodic":
+        x = x * (torch.arange(x.numel()) % 64 + 1).float().view(shape)
+    elif pattern == "sparse":
+        x = torch.ones(shape)
+        x.view(-1)[::3] = 0.0
+    x = x.square()
+    n = x.numel()
+    candidates = [p for p in divisors(n) if n // p >= 2]
+    assert period_scores(x, candidates) == _plain_scores(x, candidates)
+    assert period_scores(x, []) == []
