@@ -27,6 +27,8 @@ except ImportError:  # pragma: no cover - older setuptools
     from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
 
 SOURCE = "src/gefen/kernels/_native/gefen_kernels.c"
+#: Files SOURCE includes (one translation unit): a change to them rebuilds the library too.
+DEPENDS = ["src/gefen/kernels/_native/gefen_codebook.c"]
 #: Flags of every build: -ffp-contract=off keeps each rounding as written (the kernels spell out every fma).
 CFLAGS = ["-O2", "-std=c11", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=default"]
 
@@ -91,6 +93,6 @@ class PlatformWheel(bdist_wheel):
 
 
 setup(
-    ext_modules=[Extension("gefen.kernels._native_library", sources=[SOURCE], optional=True)],
+    ext_modules=[Extension("gefen.kernels._native_library", sources=[SOURCE], depends=DEPENDS, optional=True)],
     cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
 )
