@@ -36,6 +36,19 @@
 #define GEFEN_ABI_VERSION 2
 
 #define INLINE __attribute__((always_inline)) inline
+/* CALL(kind, param dtype) with both as compile-time constants, for the specialised pass-2 bodies (the momentum
+ * kind writes no parameter: fp32). */
+#define DISPATCH_KIND_DTYPE(a, CALL)                                                                                   \
+    do {                                                                                                               \
+        if ((a)->kind == KIND_MOMENTUM) CALL(KIND_MOMENTUM, DT_F32);                                                       \
+        else if ((a)->kind == KIND_FACTORED) {                                                                             \
+            if ((a)->param_dtype == DT_F32) CALL(KIND_FACTORED, DT_F32);                                               \
+            else if ((a)->param_dtype == DT_BF16) CALL(KIND_FACTORED, DT_BF16);                                        \
+            else CALL(KIND_FACTORED, DT_F16);                                                                          \
+        } else if ((a)->param_dtype == DT_F32) CALL(KIND_BLOCK, DT_F32);                                               \
+        else if ((a)->param_dtype == DT_BF16) CALL(KIND_BLOCK, DT_BF16);                                               \
+        else CALL(KIND_BLOCK, DT_F16);                                                                                 \
+    } while (0)
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
@@ -505,16 +518,7 @@ T2 static void pass2_avx2e(const gefen_step_args *a, const entry_table *et, int6
                            const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
                            int64_t c0) {
 #define P2E(kind, pdt) pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt)
-    if (a->kind == KIND_MOMENTUM) P2E(KIND_MOMENTUM, DT_F32);
-    else if (a->kind == KIND_FACTORED) {
-        if (a->param_dtype == DT_F32) P2E(KIND_FACTORED, DT_F32);
-        else if (a->param_dtype == DT_BF16) P2E(KIND_FACTORED, DT_BF16);
-        else P2E(KIND_FACTORED, DT_F16);
-    } else {
-        if (a->param_dtype == DT_F32) P2E(KIND_BLOCK, DT_F32);
-        else if (a->param_dtype == DT_BF16) P2E(KIND_BLOCK, DT_BF16);
-        else P2E(KIND_BLOCK, DT_F16);
-    }
+    DISPATCH_KIND_DTYPE(a, P2E);
 #undef P2E
 }
 
@@ -879,16 +883,7 @@ TV static void pass2_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64
         else if (vt->buckets == 512) P2(kind, pdt, 512);                                                               \
         else P2(kind, pdt, 1024);                                                                                      \
     } while (0)
-    if (a->kind == KIND_MOMENTUM) P2_NB(KIND_MOMENTUM, DT_F32);
-    else if (a->kind == KIND_FACTORED) {
-        if (a->param_dtype == DT_F32) P2_NB(KIND_FACTORED, DT_F32);
-        else if (a->param_dtype == DT_BF16) P2_NB(KIND_FACTORED, DT_BF16);
-        else P2_NB(KIND_FACTORED, DT_F16);
-    } else {
-        if (a->param_dtype == DT_F32) P2_NB(KIND_BLOCK, DT_F32);
-        else if (a->param_dtype == DT_BF16) P2_NB(KIND_BLOCK, DT_BF16);
-        else P2_NB(KIND_BLOCK, DT_F16);
-    }
+    DISPATCH_KIND_DTYPE(a, P2_NB);
 #undef P2_NB
 #undef P2
 }
