@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_world", "WorldFailed", "free_port"]
+__all__ = ["run_world", "run_torchrun", "WorldFailed", "free_port"]
 
 
 class WorldFailed(AssertionError):
@@ -33,6 +33,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# torchrun's own rendezvous can lose the port free_port() picked to another process before it binds it: only that
+# failure is retried, every other one fails the test with the ranks' output.
+_PORT_TAKEN = ("address already in use", "eaddrinuse", "errno 98")
+
+
+def run_torchrun(script: Path, ranks: int, *args: str, timeout: float = 240.0, attempts: int = 2) -> str:
+    """Run ``python -m torch.distributed.run --nproc-per-node ranks script *args`` on 127.0.0.1 and return stdout.
+
+    One thread per rank (``OMP_NUM_THREADS=1``), ``src/`` on ``PYTHONPATH``. Raises :class:`WorldFailed` with the
+    tail of the ranks' stdout/stderr when the run exits non-zero or passes ``timeout`` (seconds); a run that only
+    lost its rendezvous port is retried up to ``attempts`` times in all.
+    """
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    for attempt in range(attempts):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise WorldFailed(f"torchrun {script.name} passed its {timeout:.0f} s deadline:\n{_tail(exc)}") from None
+        if done.returncode == 0:
+            return done.stdout
+        if attempt + 1 < attempts and any(text in done.stderr.lower() for text in _PORT_TAKEN):
+            continue
+        raise WorldFailed(f"torchrun {script.name} exited with {done.returncode}:\n{_tail(done)}")
+    raise AssertionError("unreachable")
+
+
+def _tail(done: Any, chars: int = 6000) -> str:
+    def text(value: Any) -> str:
+        return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+    return f"--- stdout ---\n{text(done.stdout)[-chars:]}\n--- stderr ---\n{text(done.stderr)[-chars:]}"
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import gefen
-from tests.distributed.harness import free_port, run_world
+from tests.distributed.harness import run_torchrun, run_world
 from tests.optim.determinism_job import digest
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,31 +95,9 @@ def test_ddp_example_runs_with_torchrun(tmp_path):
     root = Path(__file__).resolve().parents[2]
     ckpt = tmp_path / "opt.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(root / "examples" / "ddp_train.py"),
-            "--steps",
-            "30",
-            "--save",
-            str(ckpt),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    assert "replicas bit-identical across 2 ranks: True" in out.stdout
-    losses = [float(line.split("loss")[1]) for line in out.stdout.splitlines() if line.startswith("step")]
+    stdout = run_torchrun(root / "examples" / "ddp_train.py", 2, "--steps", "30", "--save", str(ckpt))
+    assert "replicas bit-identical across 2 ranks: True" in stdout
+    losses = [float(line.split("loss")[1]) for line in stdout.splitlines() if line.startswith("step")]
     assert losses[-1] < 0.5 * losses[0]
     report = subprocess.run(
         [sys.executable, "-m", "gefen", "inspect", str(ckpt)], env=env, capture_output=True, text=True, timeout=120

@@ -193,22 +193,15 @@ def test_unsupported_sharded_layouts_are_refused_at_construction():
 @pytest.mark.slow
 def test_fsdp2_example_trains_saves_and_resumes_on_another_world_size(tmp_path):
     """``examples/fsdp2_train.py`` as the README runs it: 2 ranks train and save, 3 ranks resume."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from tests.distributed.harness import free_port
+    from tests.distributed.harness import run_torchrun
 
     root = Path(__file__).resolve().parents[2]
     ckpt = tmp_path / "ckpt.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
 
     def torchrun(ranks: int, *extra: str) -> str:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-        command += [str(root / "examples" / "fsdp2_train.py"), "--optimizer", "muon", *extra]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=True).stdout
+        return run_torchrun(root / "examples" / "fsdp2_train.py", ranks, "--optimizer", "muon", *extra)
 
     first = torchrun(2, "--steps", "30", "--save", str(ckpt))
     second = torchrun(3, "--steps", "10", "--resume", str(ckpt))
