@@ -345,6 +345,23 @@ def test_nonfinite_raise_refuses_a_nan_step_and_ignore_lets_it_through():
             assert torch.isnan(m[1].weight).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_nonfinite_raise_refuses_infinities_in_every_gradient_dtype(dtype, bad):
+    """A float16 infinity once passed the check: ``max|g| <= bound`` compared in float16, where the bound itself
+    rounds to inf."""
+    p = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
+    opt = gefen.Gefen([p], nonfinite="raise")
+    p.grad = torch.randn(64, 32).to(dtype)
+    opt.step()
+    p.grad = torch.randn(64, 32).to(dtype)
+    p.grad[5, 7] = bad
+    before = digest([p.detach().clone(), opt.state_dict()])
+    with pytest.raises(StepError, match="NaN/Inf"):
+        opt.step()
+    assert digest([p.detach().clone(), opt.state_dict()]) == before
+
+
 # ---------------------------------------------------------------------------------------------- break-it findings
 def test_compiling_a_non_capturable_step_runs_it_as_is_or_refuses_fullgraph():
     """``torch.compile(opt.step)`` steps around a ``capturable=False`` step (it runs as plain Python with its own
