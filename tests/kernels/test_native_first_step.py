@@ -1,6 +1,7 @@
 """The first step's native pieces against their references: the exact k-means of the codebook fit (identical
-centres, near-ties included), the codebook histogram (identical counts, non-finite input refused untouched), and
-the in-place period score (identical to the plain ``diff()`` chain of algorithm.md §3.2)."""
+centres, near-ties included), the codebook histogram (identical counts, non-finite input refused untouched), the
+in-place period score (identical to the plain ``diff()`` chain of algorithm.md §3.2), and the native period scores
+(within 1e-11 of the torch reference, identical on every CPU path and thread count)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from gefen.kernels import native
 from gefen.math import codebook
 from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
-from gefen.math.period import divisors, period_scores
+from gefen.math.period import divisors, find_period, period_scores
 
 AVAILABLE = native.native_status().available
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"native library: {native.native_status().reason}")
@@ -127,3 +128,81 @@ def test_period_scores_in_place_equal_the_plain_chain(shape, pattern) -> None:
     candidates = [p for p in divisors(n) if n // p >= 2]
     assert period_scores(x, candidates) == _plain_scores(x, candidates)
     assert period_scores(x, []) == []
+
+
+def _native_levels() -> list[str]:
+    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    return order[: order.index(native.native_status().level) + 1]
+
+
+def _gradient(n: int, pattern: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen)
+    if pattern == "rows":  # a scale per run of 96 elements: a structural period
+        g = g * torch.exp(2 * torch.randn(n // 96 + 1, generator=gen)).repeat_interleave(96)[:n]
+    elif pattern == "sparse":
+        g[::3] = 0.0
+    elif pattern == "tiny":  # squares that underflow fp32: ln(0 + 1e-12) for many elements
+        g = g * 1e-30
+    elif pattern == "huge":
+        g = g * 1e18
+    return g
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.sampled_from([2, 7, 8, 9, 12, 96 * 7, 4096, 65_536, 65_537, 65_536 * 3 + 5, 96 * 1500]),
+    pattern=st.sampled_from(["noise", "rows", "sparse", "tiny", "huge"]),
+    seed=st.integers(0, 1000),
+)
+def test_native_period_scores_match_the_torch_reference(n, pattern, seed) -> None:
+    """Every candidate's score within 1e-11 (relative, or absolute near 0) of the reference's; the lanes of 8,
+    groups of 4 and chunks of 65536 all get partial tails here."""
+    g = _gradient(n, pattern, seed)
+    candidates = [p for p in divisors(n) if n // p >= 2]
+    expected = period_scores(g.square(), candidates)
+    got, nonzero = native.period_scores(g, candidates)
+    assert nonzero is True and got is not None and len(got) == len(candidates)
+    np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
+    assert find_period(g, backend="native") == find_period(g, backend="torch")
+
+
+def test_native_period_scores_are_identical_on_every_path_and_thread_count() -> None:
+    g = _gradient(65_536 * 3 + 96 * 5, "rows", 3)
+    n = g.numel()
+    candidates = [p for p in divisors(n) if n // p >= 2]
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for level in _native_levels():
+            native.force_level(level)
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                results.append(native.period_scores(g, candidates)[0])
+    finally:
+        native.force_level(None)
+        torch.set_num_threads(threads)
+    assert all(r == results[0] for r in results), "scores differ between CPU paths or thread counts"
+
+
+def test_native_period_scores_checks() -> None:
+    g = torch.randn(70_000)
+    assert native.period_scores(g, []) == ([], True)
+    assert native.period_scores(torch.zeros(70_000), [7]) == ([0.0], False)  # all zero: the flag, equal scores
+    big = g.clone()
+    big[69_999] = 2e19  # finite, but its square overflows fp32: the reference decides (None)
+    assert native.period_scores(big, [7, 10]) == (None, True)
+    assert find_period(big, backend="native") == find_period(big, backend="torch")
+    for bad in (float("nan"), -float("inf")):
+        worse = g.clone()
+        worse[12_345] = bad
+        with pytest.raises(ValueError, match="finite"):
+            native.period_scores(worse, [7])
+    with pytest.raises(RuntimeError, match="refused"):
+        native.period_scores(g, [3])  # 3 does not divide 70000
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.period_scores(g.double(), [7])
+    with pytest.raises(RuntimeError, match="workspace"):
+        native.period_scores(g, [7], torch.empty(70_000, dtype=torch.float64))  # N + 1 needed
+    workspace = torch.full((70_001,), float("nan"), dtype=torch.float64)
+    assert native.period_scores(g, [7, 10], workspace) == native.period_scores(g, [7, 10])

@@ -220,6 +220,21 @@ ASAN_SCRIPT = textwrap.dedent(
         counts = torch.zeros(4096, dtype=torch.int64)
         assert native.histogram_(counts, torch.randn(n, generator=gen), period) and int(counts.sum()) == n
         cases += 1
+    # the period search's scores: every CPU path, chunk and lane tails, own and caller's (exactly sized) scratch
+    from gefen.math.period import divisors
+    for level in levels:
+        native.force_level(level)
+        for n in (1, 2, 7, 8, 9, 12, 65_536, 65_537, 131_077, 196_613):
+            g = torch.randn(n, generator=gen)
+            cands = [d for d in divisors(n) if n // d >= 2]
+            native.period_scores(g, cands)
+            native.period_scores(g, cands, torch.empty(n + 1, dtype=torch.float64))
+            g[n // 2] = float("nan")
+            try:
+                native.period_scores(g, cands)
+            except ValueError:
+                cases += 1
+    native.force_level(None)
     print("ASAN-OK", cases)
     """
 )

@@ -1,4 +1,5 @@
-"""Period search against algorithm.md §3.7 (worked examples of the real code), §3.4 and planted periods."""
+"""Period search against algorithm.md §3.7 (worked examples of the real code), §3.4 and planted periods, on the
+torch reference and on the native library's scores (``backend="native"``, where the library loaded)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gefen.kernels import native
 from gefen.math.period import (
     divisors,
     fallback_period,
     find_period,
+    first_period,
     largest_divisor_at_most,
     search_period,
 )
 from tests.reference.period_ref import reference_search_period
+
+#: find_period's backends to run: the torch reference, and the native scores where the library loaded.
+BACKENDS = ["torch"] + (["native"] if native.native_status().available else [])
 
 
 def _spec_input(rows: int, cols: int, by: str) -> torch.Tensor:
@@ -57,24 +63,29 @@ def test_largest_divisor_at_most_values():
         (4, 4096, "rows", 1, 4096),
     ],
 )
-def test_find_period_matches_spec_table(rows, cols, by, score_only, final):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_find_period_matches_spec_table(rows, cols, by, score_only, final, backend):
     g = _spec_input(rows, cols, by)
     assert search_period(g.square()) == score_only
-    assert find_period(g) == final
+    assert find_period(g, backend=backend) == final
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fill", [0.0, 1.0])
-def test_constant_gradient_falls_back_to_2048(fill):
+def test_constant_gradient_falls_back_to_2048(fill, backend):
     g = torch.full((64, 64), fill)
     assert search_period(g.square()) == 1
-    assert find_period(g) == 2048
+    assert find_period(g, backend=backend) == 2048
+    assert first_period(g, backend=backend) == (None if fill == 0.0 else 2048)  # all zero: no information yet
 
 
-def test_one_dimensional_spec_examples():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dimensional_spec_examples(backend):
     g = _spec_input(1, 1000, "rows").reshape(1000)
-    assert find_period(g) == 125
-    assert find_period(torch.arange(1.0, 8.0)) == 1
-    assert find_period(torch.tensor([3.0])) == 1
+    assert find_period(g, backend=backend) == 125
+    assert find_period(torch.arange(1.0, 8.0), backend=backend) == 1
+    assert find_period(torch.tensor([3.0]), backend=backend) == 1
+    assert first_period(torch.tensor([0.0]), backend=backend) is None
 
 
 def test_fallback_examples_of_spec():
@@ -88,20 +99,28 @@ def test_fallback_examples_of_spec():
     assert fallback_period(1009, (1009,)) == 1009  # prime below 2048: one block
 
 
-def test_find_period_refuses_non_finite_and_empty():
-    with pytest.raises(ValueError, match="finite"):
-        find_period(torch.tensor([1.0, float("nan"), 2.0, 3.0]))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_find_period_refuses_non_finite_and_empty(backend):
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            find_period(torch.tensor([1.0, bad, 2.0, 3.0]), backend=backend)
+        with pytest.raises(ValueError, match="finite"):
+            first_period(torch.full((300_001,), 1e-3).index_fill_(0, torch.tensor([299_999]), bad), backend=backend)
     with pytest.raises(ValueError, match="non-empty"):
-        find_period(torch.zeros(0))
+        find_period(torch.zeros(0), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        find_period(torch.ones(16), backend="cuda")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("period", [16, 32, 48, 96, 128])
-def test_planted_period_is_recovered(period):
+def test_planted_period_is_recovered(period, backend):
     gen = torch.Generator().manual_seed(period)
     blocks = 64
     scales = torch.exp(torch.randn(blocks, 1, generator=gen) * 2)
     g = torch.randn(blocks, period, generator=gen) * scales
-    assert find_period(g.reshape(-1)) == period
+    assert find_period(g.reshape(-1), backend=backend) == period
+    assert find_period(g.t(), backend=backend) == find_period(g.t().contiguous(), backend="torch")  # strided
 
 
 def test_cap_splits_large_periods():
@@ -120,7 +139,11 @@ def test_search_matches_direct_reference(n_blocks, period, seed):
     scales = torch.exp(torch.randn(n_blocks, 1, generator=gen))
     g = (torch.randn(n_blocks, period, generator=gen) * scales).reshape(-1)
     x = g.square()
-    assert search_period(x) == reference_search_period(x.double().tolist())
+    expected = reference_search_period(x.double().tolist())
+    assert search_period(x) == expected
+    final = expected if expected != 1 else fallback_period(g.numel(), tuple(g.shape))
+    for backend in BACKENDS:
+        assert find_period(g, backend=backend) == final
 
 
 def test_result_always_divides_numel():

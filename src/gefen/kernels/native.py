@@ -45,6 +45,7 @@ __all__ = [
     "native_status",
     "kmeans_centres",
     "histogram_",
+    "period_scores",
     "cpu_level_name",
     "force_level",
     "native_step",
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -180,10 +181,12 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gefen_step_many.restype = ctypes.c_int
     pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer]
+    lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer, int64]
     lib.gefen_kmeans_centres.restype = ctypes.c_int
     lib.gefen_histogram.argtypes = [pointer, int64, int64, pointer, int64]
     lib.gefen_histogram.restype = ctypes.c_int
+    lib.gefen_period_scores.argtypes = [pointer, int64, pointer, int64, pointer, pointer, pointer, int64]
+    lib.gefen_period_scores.restype = ctypes.c_int
     lib.gefen_cpu_level.restype = ctypes.c_int
     lib.gefen_force_level.argtypes = [ctypes.c_int]
     lib.gefen_force_level.restype = ctypes.c_int
@@ -489,7 +492,8 @@ def kmeans_centres(
 
     The same programme, float64 arithmetic and tie rule as :func:`gefen.math.codebook.optimal_partition_centers`
     (which prepares the arguments and remains the reference); each layer by divide and conquer on the monotone
-    arg-min with the reference's rounding-slack windows, so the centres are identical.
+    arg-min with the reference's rounding-slack windows (the two halves of each layer on two of torch's threads),
+    so the centres are identical.
 
     Args:
         prefix: (3, A + 1) float64, C-contiguous: the prefix sums W, X, Q of weights, weighted points and
@@ -513,7 +517,9 @@ def kmeans_centres(
     size = prefix.shape[1] - 1
     out = np.empty(k, dtype=np.float64)
     rows = [prefix[r].ctypes.data for r in range(3)]
-    rc = lib.gefen_kmeans_centres(*rows, size, k, int(force_endpoints), slack[0], slack[1], out.ctypes.data)
+    rc = lib.gefen_kmeans_centres(
+        *rows, size, k, int(force_endpoints), slack[0], slack[1], out.ctypes.data, torch.get_num_threads()
+    )
     if rc != 0:
         raise RuntimeError(f"gefen native k-means refused its arguments (code {rc}: A={size}, k={k})")
     return out
@@ -549,3 +555,56 @@ def histogram_(counts: Tensor, g: Tensor, period: int) -> bool:
     if rc == -2:
         raise RuntimeError("gefen native histogram: out of memory")
     return rc == 0
+
+
+def period_scores(
+    g: Tensor, candidates: list[int], workspace: Tensor | None = None
+) -> tuple[list[float] | None, bool]:
+    """The period-search scores of one fp32 gradient natively, with its finiteness and non-zero checks.
+
+    The programme of :func:`gefen.math.period.period_scores` (the reference) on ``x = g * g``: float64 logs
+    ``ln(x + 1e-12)`` (the library's own log, a few ulp), centred, one prefix sum, the mean absolute difference of
+    adjacent block means per candidate; in a fixed order, so the same scores for any thread count and CPU. The
+    rounding differs from the reference's torch ops: scores agree to about 1e-12 relative.
+
+    Args:
+        g: fp32, CPU, contiguous, ``N = g.numel() >= 1`` elements.
+        candidates: periods ``p`` dividing ``N`` with ``N / p >= 2`` (may be empty: the checks only).
+        workspace: optional float64 CPU contiguous scratch of at least ``N + 1`` elements, overwritten. A caller
+            that searches many tensors passes one (a fresh ``N``-sized buffer costs more in page faults than the
+            search itself); without it the library allocates its own.
+
+    Returns:
+        ``(scores, nonzero)``: one float per candidate, or ``None`` when some ``g * g`` overflows fp32 (the
+        caller then uses the reference); ``nonzero`` is whether any element of ``g`` is non-zero.
+
+    Raises:
+        ValueError: ``g`` holds a NaN or an infinity.
+        RuntimeError: the library is unavailable, or the arguments do not fit, or it ran out of memory.
+
+    Source: algorithm.md §3.2 step 3.
+    """
+    lib = _require()
+    if not (g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu" and g.numel() > 0):
+        raise RuntimeError("period_scores needs a non-empty contiguous fp32 CPU gradient")
+    work = 0
+    if workspace is not None:
+        if not (workspace.dtype == torch.float64 and workspace.is_contiguous() and workspace.device.type == "cpu"):
+            raise RuntimeError("period_scores: the workspace must be a contiguous float64 CPU tensor")
+        if workspace.numel() < g.numel() + 1:
+            raise RuntimeError(f"period_scores: workspace of {workspace.numel()} < N + 1 = {g.numel() + 1} elements")
+        work = workspace.data_ptr()
+    cands = np.ascontiguousarray(candidates, dtype=np.int64)
+    scores = np.empty(len(candidates), dtype=np.float64)
+    nonzero = np.zeros(1, dtype=np.int64)
+    rc = lib.gefen_period_scores(
+        g.data_ptr(), g.numel(), cands.ctypes.data, len(candidates), scores.ctypes.data, nonzero.ctypes.data,
+        work, torch.get_num_threads(),
+    )
+    if rc == -3:
+        raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
+    if rc == -2:
+        raise RuntimeError("gefen native period search: out of memory")
+    if rc not in (0, -4):
+        raise RuntimeError(f"gefen native period search refused its arguments (code {rc}: N={g.numel()})")
+    return (scores.tolist() if rc == 0 else None), bool(nonzero[0])

@@ -26,6 +26,7 @@ __all__ = [
     "search_period",
     "fallback_period",
     "find_period",
+    "first_period",
 ]
 
 #: Name of the period-search variant, written into every checkpoint (algorithm.md §13.1).
@@ -93,8 +94,10 @@ def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
     """Log-domain adjacent-block-difference score ``S(p)`` of every candidate period at once.
 
     ``l_i = ln(x_i + 1e-12)``; ``m_b`` = mean of ``l`` over block ``b`` of ``p`` consecutive elements;
-    ``S(p) = mean_b |m_{b+1} - m_b|``. All candidates are scored from one float64 prefix sum of the
-    (mean-centred) logs, so the cost is ``O(N + sum_p N/p)`` instead of ``O(N · #candidates)``.
+    ``S(p) = mean_b |m_{b+1} - m_b|``; exactly 0 for every ``p`` when all ``x_i`` are equal (as in exact
+    arithmetic: the rounding of the centring would otherwise leave noise for the selection to pick). All
+    candidates are scored from one float64 prefix sum of the (mean-centred) logs, so the cost is
+    ``O(N + sum_p N/p)`` instead of ``O(N · #candidates)``.
 
     Args:
         x: squared gradient, any shape, real floating dtype, ``N = x.numel()``; non-negative.
@@ -108,6 +111,9 @@ def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
     n = x.numel()
     if not candidates:
         return []
+    flat = x.reshape(-1)
+    if bool((flat == flat[0]).all()):  # constant: every score is exactly 0 (rounding noise must not pick a period)
+        return [0.0] * len(candidates)
     logs = torch.log(x.reshape(-1).to(torch.float64) + _LOG_DELTA)
     logs.sub_(logs.mean())  # centring keeps the prefix sum small, so block means stay accurate
     prefix = torch.zeros(n + 1, dtype=torch.float64, device=x.device)
@@ -126,27 +132,24 @@ def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
     return torch.stack(scores).tolist()
 
 
-def search_period(x: Tensor, max_period: int | None = None) -> int:
-    """Select a period from the squared gradient by the log-domain adjacent-block score (no fallback).
+def _candidates(n: int, max_period: int | None = None) -> list[int]:
+    """The candidate periods of §3.2 step 1: divisors of ``n`` leaving at least :data:`MIN_BLOCKS` blocks."""
+    return [p for p in divisors(n) if n // p >= MIN_BLOCKS and (max_period is None or p <= max_period)]
 
-    Args:
-        x: squared gradient ``g**2``, any shape, real floating dtype; finite and non-negative.
-        max_period: optional extra cap on the candidates (off by default).
 
-    Returns:
-        ``1`` or a divisor ``P >= 9`` of ``N = x.numel()``; a selection above 1024 is split to the smallest
-        divisor of it that exceeds 1024.
+def _needed(cands: list[int]) -> list[int]:
+    """Positions in ``cands`` whose scores the selection of §3.2 step 4 reads: every eligible interior candidate
+    (``p > 8``, not the last) and its two neighbours. The others (the small ``p`` whose scores cost the most) are
+    never computed."""
+    needed: set[int] = set()
+    for k in range(1, len(cands) - 1):
+        if cands[k] > _MIN_SELECTED_PERIOD and cands[k] != cands[-1]:
+            needed.update((k - 1, k, k + 1))
+    return sorted(needed)
 
-    Raises:
-        ValueError: the selected score is not finite (non-finite input).
 
-    Source: algorithm.md §3.2.
-    """
-    n = x.numel()
-    cands = [p for p in divisors(n) if n // p >= MIN_BLOCKS and (max_period is None or p <= max_period)]
-    if len(cands) < 3:  # the first and last candidates can never win
-        return 1
-    scores = period_scores(x, cands)
+def _select(cands: list[int], scores: dict[int, float]) -> int:
+    """§3.2 steps 4-5 on the scores by position (every position :func:`_needed` lists): the period, or 1."""
     best: tuple[float, int] | None = None
     for k in range(1, len(cands) - 1):
         p = cands[k]
@@ -163,6 +166,32 @@ def search_period(x: Tensor, max_period: int | None = None) -> int:
     if period > PERIOD_CAP:
         period = min(q for q in divisors(period) + [period] if q > PERIOD_CAP)
     return period
+
+
+def search_period(x: Tensor, max_period: int | None = None) -> int:
+    """Select a period from the squared gradient by the log-domain adjacent-block score (no fallback).
+
+    The reference (torch) implementation; only the scores the selection reads are computed.
+
+    Args:
+        x: squared gradient ``g**2``, any shape, real floating dtype; finite and non-negative.
+        max_period: optional extra cap on the candidates (off by default).
+
+    Returns:
+        ``1`` or a divisor ``P >= 9`` of ``N = x.numel()``; a selection above 1024 is split to the smallest
+        divisor of it that exceeds 1024.
+
+    Raises:
+        ValueError: the selected score is not finite (non-finite input).
+
+    Source: algorithm.md §3.2.
+    """
+    cands = _candidates(x.numel(), max_period)
+    needed = _needed(cands)
+    if not needed:  # fewer than 3 candidates, or none above 8 in the interior
+        return 1
+    scores = dict(zip(needed, period_scores(x, [cands[k] for k in needed])))
+    return _select(cands, scores)
 
 
 def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
@@ -192,19 +221,77 @@ def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
     return max(cands) if cands else numel
 
 
-def find_period(grad: Tensor, shape: tuple[int, ...] | None = None) -> int:
+def _searched_period(
+    grad: Tensor, backend: str, want_nonzero: bool, workspace: Tensor | None = None
+) -> tuple[int, bool]:
+    """The §3.2 period of a gradient of ``N >= 2`` elements (before the fallback) and whether it is non-zero
+    anywhere (always ``True`` unless ``want_nonzero``)."""
+    g32 = grad.detach().reshape(-1).to(torch.float32)
+    if backend not in ("auto", "native", "torch"):
+        raise ValueError(f"period search backend={backend!r} is not 'auto', 'native' or 'torch'")
+    native = backend == "native" or (
+        backend == "auto" and g32.device.type == "cpu" and _native_kernels().native_status().available
+    )
+    if native:
+        cands = _candidates(g32.numel())
+        needed = _needed(cands)
+        scores, nonzero = _native_kernels().period_scores(g32.contiguous(), [cands[k] for k in needed], workspace)
+        if scores is not None:  # None: some g * g overflows fp32, where the reference's rounding decides
+            return (_select(cands, dict(zip(needed, scores))) if needed else 1), nonzero
+    if not bool(torch.isfinite(g32).all()):
+        raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
+    nonzero = bool(g32.any()) if want_nonzero else True
+    return search_period(g32.square()), nonzero
+
+
+def _native_kernels():  # noqa: ANN202 - the module (imported late: gefen.kernels imports gefen.math)
+    from gefen.kernels import native
+
+    return native
+
+
+def first_period(
+    grad: Tensor, shape: tuple[int, ...] | None = None, backend: str = "auto", workspace: Tensor | None = None
+) -> int | None:
+    """:func:`find_period` for a parameter's first gradient, or ``None`` when that gradient is zero everywhere.
+
+    An all-zero gradient carries no information for the search (nor for the codebook): the optimizer starts such
+    a parameter at its first non-zero gradient. ``workspace``: optional float64 CPU scratch of at least
+    ``grad.numel() + 1`` elements for the native search, reused across calls (saves the page faults of a fresh
+    buffer per tensor). Other arguments, errors and source as :func:`find_period`.
+    """
+    n = grad.numel()
+    if n == 0:
+        raise ValueError("find_period needs a non-empty gradient (zero-numel parameters are skipped)")
+    if n == 1:
+        value = float(grad.detach().reshape(-1)[0])
+        if not math.isfinite(value):
+            raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
+        return 1 if value != 0.0 else None
+    period, nonzero = _searched_period(grad, backend, want_nonzero=True, workspace=workspace)
+    if not nonzero:
+        return None
+    return period if period != 1 else fallback_period(n, tuple(grad.shape if shape is None else shape))
+
+
+def find_period(grad: Tensor, shape: tuple[int, ...] | None = None, backend: str = "auto") -> int:
     """Period of one parameter from its first gradient: the §3.2 score, then the §3.4 fallback.
 
     Args:
         grad: the parameter's first gradient, any shape, real floating dtype, finite values.
         shape: the parameter's global shape (defaults to ``grad.shape``); used only by the fallback.
+        backend: ``"torch"`` (the reference, :func:`search_period`), ``"native"`` (the C library's scores,
+            :func:`gefen.kernels.native.period_scores`: the same programme, its own float64 log; the scores agree
+            with the reference's to about 1e-12 relative, so only a near-exact tie between two candidates can be
+            decided differently) or ``"auto"`` (native for CPU gradients where the library loaded).
 
     Returns:
         ``P`` dividing ``grad.numel()``: ``1`` for ``N < 8``, otherwise the searched period or the fallback,
         never 1.
 
     Raises:
-        ValueError: ``grad`` is empty or has non-finite values.
+        ValueError: ``grad`` is empty or has non-finite values, or ``backend`` is unknown.
+        RuntimeError: ``backend="native"`` and the library is unavailable.
 
     Source: algorithm.md §3.2, §3.4 and §13.1.
     """
@@ -213,10 +300,7 @@ def find_period(grad: Tensor, shape: tuple[int, ...] | None = None) -> int:
         raise ValueError("find_period needs a non-empty gradient (zero-numel parameters are skipped)")
     if n == 1:
         return 1
-    g32 = grad.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(g32).all()):
-        raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
-    period = search_period(g32.square())
+    period, _ = _searched_period(grad, backend, want_nonzero=False)
     if period == 1:
         period = fallback_period(n, tuple(grad.shape if shape is None else shape))
     return period

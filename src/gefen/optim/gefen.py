@@ -24,7 +24,7 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
-from gefen.kernels import auto_backend, group_backend, native_supports, resolve_backend_option
+from gefen.kernels import auto_backend, group_backend, native_status, native_supports, resolve_backend_option
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -51,7 +51,7 @@ from gefen.math.moments import (
     factored_second_moment_,
     update_quantized_moment,
 )
-from gefen.math.period import find_period
+from gefen.math.period import find_period, first_period
 from gefen.optim._base import GefenOptimizer, WorkItem
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
@@ -334,9 +334,10 @@ class Gefen(GefenOptimizer):
         loss, plan, skip = self._preflight(closure)
         if skip:  # GradScaler found an overflow: the step is skipped, nothing changes
             return loss
-        fresh = [item for work in plan for item in work if not self._has_state(item.param)]
+        fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
+        fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
         periods = self._search_periods(fresh)
-        starting = [item for item in fresh if id(item.param) in periods]
+        starting = [item for item, _ in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
         if codebook is None and starting:
             codebook, codebook_warning = self._learn_codebook(starting, periods)
@@ -642,20 +643,26 @@ class Gefen(GefenOptimizer):
         # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
         return STEP in self.state.get(param, ())
 
-    def _search_periods(self, fresh: list[WorkItem]) -> dict[int, int]:
+    def _search_periods(self, fresh: list[tuple[WorkItem, Mapping[str, Any]]]) -> dict[int, int]:
         """Period of every parameter starting now, from its first non-zero gradient.
 
         A parameter whose gradient is exactly zero everywhere carries no information for the period search or
         the codebook: it gets no state yet (its first moment and second moment would both stay 0) and starts at
-        its first non-zero gradient. The gradients were checked finite by :meth:`_check_finite`.
+        its first non-zero gradient. The gradients were checked finite by :meth:`_check_finite`. The search
+        runs natively (its scores from the C library) where the group's backend is ``"auto"`` or ``"native"``
+        and the library loaded, and on torch's ops (the reference) for ``"eager"`` and ``"compiled"``.
         """
         periods = {}
-        sharded = [item for item in fresh if item.shard is not None]
-        for item in fresh:
+        sizes = [item.grad.numel() for item, _ in fresh if item.shard is None and item.grad.device.type == "cpu"]
+        # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
+        workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
+        for item, group in fresh:
             if item.shard is None:
-                g32 = item.grad.to(torch.float32)
-                if bool(g32.any()):
-                    periods[id(item.param)] = find_period(g32)
+                backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
+                period = first_period(item.grad, backend=backend, workspace=workspace)
+                if period is not None:
+                    periods[id(item.param)] = period
+        sharded = [item for item, _ in fresh if item.shard is not None]
         if sharded:  # the same search on the full gradient on every rank, with blocks kept inside rows
             shard = sharded[0].shard
             assert shard is not None

@@ -20,8 +20,9 @@ typedef struct {
     const double *F_prev;    /* (rows,) */
     double *F;               /* (rows,) this layer */
     int32_t *L, *R, *arg;    /* (rows,) window ends and first arg-min */
-    double *scratch;         /* (rows,) candidate values of one row */
+    double *scratch;         /* (2, rows) candidate values of one row, one buffer per half of a layer */
     int64_t c;               /* cluster index (1-based), 2 <= c <= k - 1 */
+    int64_t rows;
     int avx2;                /* the CPU has AVX2 */
     double tol;
 } dp_layer;
@@ -46,11 +47,11 @@ __attribute__((target("avx2"))) static int64_t dp_values_avx2(double We, double 
 
 /* Row j of a layer: minimum of F_prev[i] + cost(c + i, c + j) over lo <= i <= hi, its first arg-min and the
  * first / last i within tol of it. */
-static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi) {
+static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi, double *scratch) {
     const int64_t e = ly->c + j;
     const double We = ly->W[e], Xe = ly->X[e], Qe = ly->Q[e];
     const double *W = ly->W + ly->c - 1, *X = ly->X + ly->c - 1, *Q = ly->Q + ly->c - 1, *F = ly->F_prev;
-    double *v = ly->scratch + lo;
+    double *v = scratch + lo;
     int64_t i = lo;
 #if GEFEN_X86
     if (ly->avx2) i = dp_values_avx2(We, Xe, Qe, W, X, Q, F, v - lo, lo, hi);
@@ -75,14 +76,35 @@ static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi) {
 }
 
 /* Rows a..b, whose arg-minima lie in [lo, hi] (row j also needs i <= j). */
-static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_t hi) {
+static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_t hi, double *scratch) {
     while (a <= b) {
         const int64_t mid = (a + b) / 2;
-        dp_row(ly, mid, lo, hi < mid ? hi : mid);
-        dp_rows(ly, a, mid - 1, lo, ly->R[mid]);
+        dp_row(ly, mid, lo, hi < mid ? hi : mid, scratch);
+        dp_rows(ly, a, mid - 1, lo, ly->R[mid], scratch);
         a = mid + 1; /* the lower half iteratively: depth stays log2(rows) */
         lo = ly->L[mid];
     }
+}
+
+/* The two halves of a layer around its middle row (solved first) are independent: one task each. Every row's
+ * values do not depend on which rows were solved before it, so the split changes nothing in the result. */
+static void dp_half_task(const void *ctx_, int64_t half, int64_t thread) {
+    (void)thread;
+    const dp_layer *ly = (const dp_layer *)ctx_;
+    const int64_t rows = ly->rows, mid = (rows - 1) / 2;
+    double *scratch = ly->scratch + half * rows;
+    if (half == 0) dp_rows(ly, 0, mid - 1, 0, ly->R[mid], scratch);
+    else dp_rows(ly, mid + 1, rows - 1, ly->L[mid], rows - 1, scratch);
+}
+
+static void dp_layer_rows(const dp_layer *ly, int64_t threads) {
+    const int64_t rows = ly->rows, mid = (rows - 1) / 2;
+    if (threads < 2 || rows < 512) {
+        dp_rows(ly, 0, rows - 1, 0, rows - 1, ly->scratch);
+        return;
+    }
+    dp_row(ly, mid, 0, mid, ly->scratch);
+    parallel_for_cost(2, 2, dp_half_task, ly, 0);
 }
 
 static double pinned_or_free(double w, double x, double q, int pin) {
@@ -95,12 +117,12 @@ static double pinned_or_free(double w, double x, double q, int pin) {
  * W[0] = X[0] = Q[0] = 0 not required: differences are taken). Needs 2 <= k <= A. Returns OK, ERR_ARGS or
  * ERR_NOMEM (then centres is untouched). */
 int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int64_t A, int64_t k,
-                         int64_t force_endpoints, double slack0, double slack1, double *centres) {
+                         int64_t force_endpoints, double slack0, double slack1, double *centres, int64_t threads) {
     if (!W || !X || !Q || !centres || k < 2 || A < k || A > (int64_t)1 << 30) return ERR_ARGS;
     const int64_t rows = A - k + 1;
     double *F = (double *)malloc((size_t)rows * sizeof(double));
     double *G = (double *)malloc((size_t)rows * sizeof(double));
-    double *scratch = (double *)malloc((size_t)rows * sizeof(double));
+    double *scratch = (double *)malloc((size_t)rows * 2 * sizeof(double));
     double *out = (double *)malloc((size_t)k * sizeof(double));
     int32_t *L = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
     int32_t *R = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
@@ -116,8 +138,8 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
         double most = 0.0;
         for (int64_t j = 0; j < rows; j++)
             if (fabs(F[j]) > most) most = fabs(F[j]);
-        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, avx2, 8.0 * (slack0 + slack1 * most)};
-        dp_rows(&ly, 0, rows - 1, 0, rows - 1);
+        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, rows, avx2, 8.0 * (slack0 + slack1 * most)};
+        dp_layer_rows(&ly, threads);
         double *t = F;
         F = G;
         G = t;
@@ -145,10 +167,12 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
 /* ------------------------------------------------------------------ the codebook histogram (algorithm.md 4.2) */
 /* Per block of `period` elements: a = max|g| (1 where a = 0), u = g / a in fp32, bin = clamp(floor((u + 1) * 2048),
  * 0, 4095), as gefen.math.codebook.accumulate_histogram_ computes it. Integer counts: any order gives the same sum. */
+#define HIST_COPIES 4
+
 typedef struct {
     const float *g;
     int64_t period, blocks_per_task, blocks;
-    int64_t *partial; /* (threads, 4096) */
+    int64_t *partial; /* (threads, HIST_COPIES, 4096) */
     int *bad;         /* (threads,) a non-finite value was seen */
     int avx2;
 } hist_ctx;
@@ -165,23 +189,60 @@ __attribute__((target("avx2"))) static int64_t hist_bins_avx2(const float *x, in
     }
     return i;
 }
+
+/* max |x[0..n)| into *a (0 when all zero); returns 0 when a value is NaN or infinite. */
+__attribute__((target("avx2"))) static int hist_max_avx2(const float *x, int64_t n, float *a) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, big, _CMP_NLE_UQ));
+        mx = _mm256_max_ps(mx, v);
+    }
+    float lanes[8], m = 0.0f;
+    _mm256_storeu_ps(lanes, mx);
+    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    int finite = !_mm256_movemask_ps(bad);
+    for (; i < n; i++) {
+        const float v = fabsf(x[i]);
+        finite &= v <= 3.4028234663852886e38f;
+        m = v > m ? v : m;
+    }
+    *a = m;
+    return finite;
+}
 #endif
+
+static int hist_max_scalar(const float *x, int64_t n, float *a) {
+    float m = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = fabsf(x[i]);
+        finite &= v <= 3.4028234663852886e38f; /* false for inf and NaN */
+        m = v > m ? v : m;
+    }
+    *a = m;
+    return finite;
+}
 
 static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
     const hist_ctx *h = (const hist_ctx *)ctx_;
-    int64_t *counts = h->partial + thread * 4096;
+    /* HIST_COPIES interleaved copies of the counts: runs of equal bins (the centre of a peaked distribution)
+     * would otherwise chain every increment through the same memory word */
+    int64_t *counts = h->partial + thread * HIST_COPIES * 4096;
     int32_t bins[1024];
     int64_t b0 = task * h->blocks_per_task, b1 = b0 + h->blocks_per_task;
     if (b1 > h->blocks) b1 = h->blocks;
     for (int64_t b = b0; b < b1; b++) {
         const float *x = h->g + b * h->period;
         float a = 0.0f;
-        int finite = 1;
-        for (int64_t i = 0; i < h->period; i++) {
-            float v = fabsf(x[i]);
-            finite &= v <= 3.4028234663852886e38f; /* false for inf and NaN */
-            a = v > a ? v : a;
-        }
+#if GEFEN_X86
+        const int finite = h->avx2 ? hist_max_avx2(x, h->period, &a) : hist_max_scalar(x, h->period, &a);
+#else
+        const int finite = hist_max_scalar(x, h->period, &a);
+#endif
         if (!finite) {
             h->bad[thread] = 1;
             return;
@@ -197,7 +258,13 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
                 float t = (x[j + i] / a + 1.0f) * 2048.0f;
                 bins[i] = t < 4095.0f ? (int32_t)t : 4095;
             }
-            for (i = 0; i < n; i++) counts[bins[i]]++;
+            for (i = 0; i + 4 <= n; i += 4) {
+                counts[bins[i]]++;
+                counts[4096 + bins[i + 1]]++;
+                counts[2 * 4096 + bins[i + 2]]++;
+                counts[3 * 4096 + bins[i + 3]]++;
+            }
+            for (; i < n; i++) counts[bins[i]]++;
         }
     }
 }
@@ -207,7 +274,7 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
 int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *counts, int64_t threads) {
     if (!g || !counts || numel <= 0 || period <= 0 || numel % period != 0) return ERR_ARGS;
     if (threads < 1 || numel < PARALLEL_MIN_ELEMENTS) threads = 1;
-    int64_t *partial = (int64_t *)calloc((size_t)threads * 4096, sizeof(int64_t));
+    int64_t *partial = (int64_t *)calloc((size_t)threads * HIST_COPIES * 4096, sizeof(int64_t));
     int *bad = (int *)calloc((size_t)threads, sizeof(int));
     if (!partial || !bad) {
         free(partial), free(bad);
@@ -223,7 +290,7 @@ int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *coun
         if (bad[t]) rc = ERR_ARGS;
     if (rc == OK)
         for (int64_t t = 0; t < threads; t++)
-            for (int k = 0; k < 4096; k++) counts[k] += partial[t * 4096 + k];
+            for (int64_t k = 0; k < HIST_COPIES * 4096; k++) counts[k % 4096] += partial[t * HIST_COPIES * 4096 + k];
     free(partial), free(bad);
     return rc;
 }

@@ -33,7 +33,7 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 2
+#define GEFEN_ABI_VERSION 3
 
 #define INLINE __attribute__((always_inline)) inline
 /* CALL(kind, param dtype) with both as compile-time constants, for the specialised pass-2 bodies (the momentum
@@ -1296,3 +1296,6 @@ int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }
 
 /* ------------------------------------------------------------------ first step: the codebook fit */
 #include "gefen_codebook.c"
+
+/* ------------------------------------------------------------------ first step: the period search scores */
+#include "gefen_period.c"
