@@ -22,7 +22,8 @@ Muon half of a hybrid; their rows carry ``params`` and bytes/param over those) `
 AdamW's two moments, Gefen's codes, magnitudes and second moment, and the factored second pass over the gradient),
 ``effective_gb_s`` is that traffic over the step time, to compare with ``stream_bandwidth_gb_s`` (a large
 ``copy_`` with the same threads: the machine's streaming bandwidth). ``--skip-compiled`` leaves out the compiled
-row (its first run compiles for tens of seconds).
+row (its first run compiles for tens of seconds), ``--skip-muon`` the two Muon rows. Progress goes to
+stderr.
 
 The two headline ratios ``ratio_gefen_vs_adamw_fused`` (and its ``_1_thread`` twin) come from stepping fused AdamW
 and the default Gefen alternately on the same parameters (``interleaved``: median times and the median of the
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -249,6 +251,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (includes the first step)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled row")
+    parser.add_argument(
+        "--skip-muon",
+        action="store_true",
+        help="leave out the Muon rows (torch's bf16 Newton-Schulz takes minutes on CPUs without AVX-512 BF16)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     threads = torch.get_num_threads()
@@ -275,6 +282,8 @@ def main() -> None:
     }
     if args.skip_compiled or device.type not in ("cpu", "cuda"):
         del factories["gefen_compiled"]
+    if args.skip_muon:
+        del factories["torch_muon"], factories["gefen_muon"]
     if device.type != "cpu":
         del factories["gefen_native"]
     initial = [p.detach().clone() for p in params]
@@ -284,6 +293,7 @@ def main() -> None:
             for p, v in zip(params, initial):
                 p.copy_(v)
         torch.set_num_threads(1 if name.endswith("_1_thread") else threads)
+        print(f"[step.py] {name} ...", file=sys.stderr, flush=True)  # progress: the JSON goes to stdout
         opt = make()
         row = measure(opt, device, args.steps, args.warmup)
         torch.set_num_threads(threads)
@@ -300,6 +310,7 @@ def main() -> None:
     # over the run (frequency, neighbours on a shared host) cannot favour either; 2x the steps of the rows above.
     pairs = {}
     for label, n_threads in (("", threads), ("_1_thread", 1)):
+        print(f"[step.py] interleaved adamw_fused / gefen{label} ...", file=sys.stderr, flush=True)
         torch.set_num_threads(n_threads)
         pairs[label] = interleaved(
             lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True),
@@ -331,7 +342,9 @@ def main() -> None:
                 "ratio_gefen_first_step_vs_step": results["gefen"]["first_step_time_s"]
                 / results["gefen"]["opt_step_time_s"],
                 "ratio_gefen_muon_vs_torch_muon": results["gefen_muon"]["opt_step_time_s"]
-                / results["torch_muon"]["opt_step_time_s"],
+                / results["torch_muon"]["opt_step_time_s"]
+                if "torch_muon" in results
+                else None,
             },
             indent=2,
         )
