@@ -151,7 +151,7 @@ def _gradient(n: int, pattern: str, seed: int) -> torch.Tensor:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    n=st.sampled_from([2, 7, 8, 9, 12, 96 * 7, 4096, 65_536, 65_537, 65_536 * 3 + 5, 96 * 1500]),
+    n=st.sampled_from([2, 7, 8, 9, 12, 96 * 7, 4096, 65_536, 65_537, 65_536 * 3 + 5, 65_536 * 2 + 40, 96 * 1500]),
     pattern=st.sampled_from(["noise", "rows", "sparse", "tiny", "huge"]),
     seed=st.integers(0, 1000),
 )
@@ -160,10 +160,12 @@ def test_native_period_scores_match_the_torch_reference(n, pattern, seed) -> Non
     groups of 4 and chunks of 65536 all get partial tails here."""
     g = _gradient(n, pattern, seed)
     candidates = [p for p in divisors(n) if n // p >= 2]
-    expected = period_scores(g.square(), candidates)
-    got, nonzero = native.period_scores(g, candidates)
-    assert nonzero is True and got is not None and len(got) == len(candidates)
-    np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
+    # all divisors: one log per element; multiples of 8 only: one value per 8 elements (two logs of products)
+    for cands in (candidates, [p for p in candidates if p % 8 == 0]):
+        expected = period_scores(g.square(), cands)
+        got, nonzero = native.period_scores(g, cands)
+        assert nonzero is True and got is not None and len(got) == len(cands)
+        np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
     assert find_period(g, backend="native") == find_period(g, backend="torch")
 
 
@@ -171,6 +173,7 @@ def test_native_period_scores_are_identical_on_every_path_and_thread_count() -> 
     g = _gradient(65_536 * 3 + 96 * 5, "rows", 3)
     n = g.numel()
     candidates = [p for p in divisors(n) if n // p >= 2]
+    eights = [p for p in candidates if p % 8 == 0]
     results = []
     threads = torch.get_num_threads()
     try:
@@ -178,7 +181,7 @@ def test_native_period_scores_are_identical_on_every_path_and_thread_count() -> 
             native.force_level(level)
             for t in (1, 2, 3):
                 torch.set_num_threads(t)
-                results.append(native.period_scores(g, candidates)[0])
+                results.append((native.period_scores(g, candidates)[0], native.period_scores(g, eights)[0]))
     finally:
         native.force_level(None)
         torch.set_num_threads(threads)

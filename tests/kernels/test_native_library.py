@@ -224,11 +224,12 @@ ASAN_SCRIPT = textwrap.dedent(
     from gefen.math.period import divisors
     for level in levels:
         native.force_level(level)
-        for n in (1, 2, 7, 8, 9, 12, 65_536, 65_537, 131_077, 196_613):
+        for n in (1, 2, 7, 8, 9, 12, 64, 65_536, 65_537, 131_077, 131_112, 196_613):
             g = torch.randn(n, generator=gen)
             cands = [d for d in divisors(n) if n // d >= 2]
-            native.period_scores(g, cands)
-            native.period_scores(g, cands, torch.empty(n + 1, dtype=torch.float64))
+            for subset in (cands, [d for d in cands if d % 8 == 0]):  # per element; per group of 8
+                native.period_scores(g, subset)
+                native.period_scores(g, subset, torch.empty(n + 1, dtype=torch.float64))
             g[n // 2] = float("nan")
             try:
                 native.period_scores(g, cands)

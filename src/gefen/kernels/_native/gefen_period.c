@@ -9,6 +9,7 @@
  * from the reference in their rounding only (the reference uses torch's log, mean, cumsum and mean): scores agree
  * to about 1e-12 relative, and every order here is fixed (chunks of PERIOD_CHUNK elements, lanes of 8), so the
  * scores are the same for any thread count and on every ISA (the scalar path replays the AVX2 path's order).
+ * When every candidate is a multiple of 8 the prefix holds one value per 8 elements (see group8_scalar).
  *
  * ln: x = 2^e m with m in [sqrt(1/2), sqrt(2)), ln x = e ln2 + 2 atanh(s), s = (m - 1) / (m + 1), the atanh series
  * to z^10 (z = s^2 <= 0.0295: truncation below 1e-18), e ln2 in two parts (fdlibm's split). Every multiply-add is
@@ -52,8 +53,9 @@ static inline double ln_positive(double x) { /* x > 0, finite, normal */
 
 typedef struct {
     const float *g;
-    double *prefix; /* (n + 1,) */
+    double *prefix; /* (n / group + 1,) */
     int64_t n;
+    int64_t group;       /* 1, or 8: one value per 8 elements (the sum of their logs, see group8_scalar) */
     double *chunk_sum;   /* (chunks,) */
     double *chunk_start; /* (chunks,) prefix value before each chunk */
     int *flags;          /* (chunks,): 1 non-finite g, 2 g*g overflowed, 4 some g != 0, 8 some x != x0 */
@@ -158,11 +160,106 @@ __attribute__((target("avx2,fma"))) static int logs_avx2(const float *g, double 
 }
 #endif
 
+/* Groups of 8 (when every candidate period is a multiple of 8, only the sums of 8 consecutive logs are ever
+ * read): the value of group j (elements 8j .. 8j + 7, y_k = x_k + 1e-12 in float64) is
+ * ln((y0 y4)(y1 y5)) + ln((y2 y6)(y3 y7)): two logs instead of eight, each of a product of four factors in
+ * [1e-48, 1.4e154] (no overflow or underflow); its rounding is that of the per-element sum to a few ulp. The values
+ * of [j0, j1) go to out[j + 1], their sum in 4 lanes (lane k: the groups j0 + 4m + k) added as
+ * (l0 + l1) + (l2 + l3), then the last (j1 - j0) % 4 groups one by one. */
+static double group8_value(const float *g, int64_t j, float x0, int *flags) {
+    double y[8];
+    for (int k = 0; k < 8; k++) {
+        const float gi = g[8 * j + k], x = gi * gi;
+        if (!(fabsf(gi) <= 3.4028234663852886e38f)) *flags |= 1;
+        else if (!(x <= 3.4028234663852886e38f)) *flags |= 2;
+        if (gi != 0.0f) *flags |= 4;
+        if (x != x0) *flags |= 8;
+        y[k] = (double)x + 1e-12;
+    }
+    if (*flags & 3) return 0.0;
+    return ln_positive((y[0] * y[4]) * (y[1] * y[5])) + ln_positive((y[2] * y[6]) * (y[3] * y[7]));
+}
+
+static double group8_scalar(const float *g, double *out, int64_t j0, int64_t j1, float x0, int *flags) {
+    double lanes[4] = {0};
+    const int64_t full = j0 + ((j1 - j0) & ~(int64_t)3);
+    for (int64_t j = j0; j < j1; j++) out[j + 1] = group8_value(g, j, x0, flags);
+    for (int64_t j = j0; j < full; j++) lanes[(j - j0) & 3] += out[j + 1];
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (int64_t j = full; j < j1; j++) total += out[j + 1];
+    return total;
+}
+
+#if GEFEN_X86
+/* y * y' lane by lane for the 8 elements at g: (y0 y4, y1 y5, y2 y6, y3 y7), with the flags' vector tests. */
+__attribute__((target("avx2,fma"))) static inline __m256d pair_products8(const float *g, __m256 vx0, __m256 *bad,
+                                                                          __m256 *nonzero, __m256 *varies) {
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256d delta = _mm256_set1_pd(1e-12);
+    const __m256 gi = _mm256_loadu_ps(g), x = _mm256_mul_ps(gi, gi);
+    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
+    *nonzero = _mm256_or_ps(*nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    *varies = _mm256_or_ps(*varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
+    const __m256d lo = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta);
+    const __m256d hi = _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta);
+    return _mm256_mul_pd(lo, hi);
+}
+
+/* group8_scalar for groups [j0, j1), four groups per iteration; returns 0 (nothing summed) when a value is not
+ * finite or squares to an overflow, else 1 with the sum in *sum. */
+__attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, double *out, int64_t j0, int64_t j1,
+                                                           float x0, double *sum, int *flags) {
+    const __m256 vx0 = _mm256_set1_ps(x0);
+    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const __m256d pa = pair_products8(g + 8 * j, vx0, &bad, &nonzero, &varies);
+        const __m256d pb = pair_products8(g + 8 * j + 8, vx0, &bad, &nonzero, &varies);
+        const __m256d pc = pair_products8(g + 8 * j + 16, vx0, &bad, &nonzero, &varies);
+        const __m256d pd = pair_products8(g + 8 * j + 24, vx0, &bad, &nonzero, &varies);
+        /* (a0 a1, b0 b1, a2 a3, b2 b3) and (c0 c1, d0 d1, c2 c3, d2 d3) */
+        const __m256d ab = _mm256_mul_pd(_mm256_unpacklo_pd(pa, pb), _mm256_unpackhi_pd(pa, pb));
+        const __m256d cd = _mm256_mul_pd(_mm256_unpacklo_pd(pc, pd), _mm256_unpackhi_pd(pc, pd));
+        const __m256d first = _mm256_permute2f128_pd(ab, cd, 0x20), second = _mm256_permute2f128_pd(ab, cd, 0x31);
+        const __m256d v = _mm256_add_pd(ln_positive4(first), ln_positive4(second));
+        _mm256_storeu_pd(out + j + 1, v);
+        acc = _mm256_add_pd(acc, v);
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
+    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    double lanes[4];
+    _mm256_storeu_pd(lanes, acc);
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; j < j1; j++) {
+        out[j + 1] = group8_value(g, j, x0, flags);
+        total += out[j + 1];
+    }
+    if (*flags & 3) return 0;
+    *sum = total;
+    return 1;
+}
+#endif
+
 static void period_logs_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
     const int64_t i0 = t * PERIOD_CHUNK, i1 = i0 + PERIOD_CHUNK < c->n ? i0 + PERIOD_CHUNK : c->n;
     int flags = 0;
+    if (c->group == 8) {
+#if GEFEN_X86
+        if (c->avx2 && group8_avx2(c->g, c->prefix, i0 / 8, i1 / 8, c->x0, &c->chunk_sum[t], &flags)) {
+            c->flags[t] = flags;
+            return;
+        }
+        flags = 0;
+#endif
+        c->chunk_sum[t] = group8_scalar(c->g, c->prefix, i0 / 8, i1 / 8, c->x0, &flags);
+        c->flags[t] = flags;
+        return;
+    }
 #if GEFEN_X86
     if (c->avx2 && logs_avx2(c->g, c->prefix, i0, i1, c->x0, &c->chunk_sum[t], &flags)) {
         c->flags[t] = flags;
@@ -205,7 +302,8 @@ __attribute__((target("avx2"))) static int64_t prefix4_avx2(double *P, int64_t i
 static void period_prefix_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
-    const int64_t i0 = t * PERIOD_CHUNK, i1 = i0 + PERIOD_CHUNK < c->n ? i0 + PERIOD_CHUNK : c->n;
+    const int64_t per = PERIOD_CHUNK / c->group, len = c->n / c->group; /* values per chunk, in all */
+    const int64_t i0 = t * per, i1 = i0 + per < len ? i0 + per : len;
     double *P = c->prefix, run = c->chunk_start[t];
     const double mean = c->mean;
     int64_t i = i0;
@@ -234,16 +332,16 @@ typedef struct {
     const int64_t *cands;
     const int64_t *task_cand, *task_seg; /* (tasks,) */
     double *partial;                     /* (tasks,) */
-    int64_t n;
+    int64_t n, group;                    /* P holds one value per group of elements */
 } score_ctx;
 
 /* The sum of |m_b - m_{b-1}| over the differences b in [1 + s SCORE_SEGMENT, ...) of one candidate. */
 static void period_score_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const score_ctx *c = (const score_ctx *)ctx_;
-    const int64_t p = c->cands[c->task_cand[t]], B = c->n / p;
+    const int64_t B = c->n / c->cands[c->task_cand[t]], p = c->cands[c->task_cand[t]] / c->group;
     const int64_t b0 = 1 + c->task_seg[t] * SCORE_SEGMENT, b1 = b0 + SCORE_SEGMENT < B ? b0 + SCORE_SEGMENT : B;
-    const double width = (double)p, *P = c->P;
+    const double width = (double)(p * c->group), *P = c->P;
     double prev = (P[b0 * p] - P[(b0 - 1) * p]) / width, total = 0.0;
     for (int64_t b = b0; b < b1; b++) {
         const double m = (P[(b + 1) * p] - P[b * p]) / width;
@@ -266,7 +364,10 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
         if (cands[k] < 1 || n % cands[k] != 0 || n / cands[k] < 2) return ERR_ARGS;
     if (threads < 1 || n < PARALLEL_MIN_ELEMENTS) threads = 1;
     const int64_t chunks = (n + PERIOD_CHUNK - 1) / PERIOD_CHUNK;
-    double *P = work ? work : (double *)malloc((size_t)(n + 1) * sizeof(double));
+    int64_t group = n_cands > 0 ? 8 : 1;
+    for (int64_t k = 0; k < n_cands; k++)
+        if (cands[k] % 8) group = 1;
+    double *P = work ? work : (double *)malloc((size_t)(n / group + 1) * sizeof(double));
     double *sums = (double *)malloc((size_t)chunks * 2 * sizeof(double));
     int *flags = (int *)calloc((size_t)chunks, sizeof(int));
     int64_t tasks = 0; /* score tasks: the segments of every candidate */
@@ -279,7 +380,7 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
         free(sums), free(flags), free(cost), free(partial);
         return ERR_NOMEM;
     }
-    period_ctx c = {g, P, n, sums, sums + chunks, flags, g[0] * g[0], 0.0, active_level() >= LEVEL_AVX2};
+    period_ctx c = {g, P, n, group, sums, sums + chunks, flags, g[0] * g[0], 0.0, active_level() >= LEVEL_AVX2};
     parallel_for_cost(chunks, threads, period_logs_task, &c, 0);
     int all = 0;
     for (int64_t t = 0; t < chunks; t++) all |= flags[t];
@@ -290,10 +391,10 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
     else if (rc == OK && n_cands > 0) {
         double total = 0.0;
         for (int64_t t = 0; t < chunks; t++) total += sums[t];
-        c.mean = total / (double)n;
+        c.mean = total / (double)(n / group); /* per value: the logs of `group` elements */
         double start = 0.0;
         for (int64_t t = 0; t < chunks; t++) {
-            const int64_t len = (t + 1 < chunks) ? PERIOD_CHUNK : n - t * PERIOD_CHUNK;
+            const int64_t len = ((t + 1 < chunks) ? PERIOD_CHUNK : n - t * PERIOD_CHUNK) / group;
             c.chunk_start[t] = start;
             start += sums[t] - (double)len * c.mean;
         }
@@ -310,7 +411,7 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
                                                                                    : SCORE_SEGMENT);
             }
         }
-        score_ctx sc = {P, cands, task_cand, task_seg, partial, n};
+        score_ctx sc = {P, cands, task_cand, task_seg, partial, n, group};
         parallel_for_cost(t, threads, period_score_task, &sc, cost);
         for (int64_t k = 0, u = 0; k < n_cands; k++) {
             const int64_t diffs = n / cands[k] - 1;
