@@ -341,7 +341,7 @@ def stage_param_state(
         if key in SHARDED_KEYS and (shard is not None or is_dtensor(value)):
             staged[key] = _stage_rows(value, key, tspec, period, shape, shard, f"{where}['{key}']", device)
             continue
-        if key in SHARDED_KEYS and tuple(value.shape) == sharded_shape(key, tspec.shape, period, shape[0]):
+        if key in SHARDED_KEYS and shape and tuple(value.shape) == sharded_shape(key, tspec.shape, period, shape[0]):
             value = value.reshape(tspec.shape)  # a gathered sharded checkpoint loading into a single process
         if value.dtype != tspec.dtype or tuple(value.shape) != tspec.shape:
             raise CheckpointError(
@@ -378,6 +378,11 @@ def _stage_rows(
     device: torch.device | None,
 ) -> Tensor:
     """This rank's rows of a row-sharded state tensor, validated and wrapped for the live layout."""
+    if not shape:
+        raise CheckpointError(
+            f"{where} is a DTensor but the live parameter is a 0-dim tensor (never sharded); gather the checkpoint "
+            "first (torch.distributed.checkpoint's get_optimizer_state_dict with full_state_dict=True)."
+        )
     rows = shape[0]
     full_shape = sharded_shape(key, spec.shape, period, rows)
     if value.dtype != spec.dtype:

@@ -8,10 +8,13 @@ import io
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gefen
 from gefen import CheckpointError
 from gefen.checkpoint import GROUP_METADATA_KEY, METADATA_KEY, SCHEMA_VERSION
+from gefen.digest import state_digest
 
 
 def _model(dtype=torch.float32, seed=0, hidden=48):
@@ -265,3 +268,143 @@ def test_load_hooks_run_pre_then_post_only_on_success():
     assert calls == ["pre"]
     opt.load_state_dict(sd)
     assert calls == ["pre", "pre", "post"]
+
+
+#: Every shape class the optimizers step (case 004: a 0-D parameter made the optimizer's own checkpoint unloadable)
+ROUND_TRIP_SHAPES = [(), (1,), (1, 1), (7,), (13, 17), (1, 9), (9, 1), (3, 1, 5), (2, 3, 4, 5), (64, 48), (0,), (0, 4)]
+
+
+def _shape_params(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=gen) * 1e-2)) for i, s in enumerate(shapes)]
+
+
+def _shape_grads(named, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=gen) * torch.rand((), generator=gen)
+
+
+def _shape_optimizer(kind, named):
+    if kind == "gefen":
+        return gefen.Gefen(named, lr=1e-2, weight_decay=0.1)
+    if kind == "muon":  # GefenMuon steps 2-D matrices only
+        return gefen.GefenMuon([(n, p) for n, p in named if p.ndim == 2], lr=1e-2)
+    return gefen.GefenMuonHybrid(named, lr=1e-2, backup_lr=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+@pytest.mark.filterwarnings("ignore:GefenMuonHybrid:UserWarning")
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid"])
+def test_every_shape_round_trips_through_torch_save(kind):
+    """0-D, size-1 dimensions, N-D, primes and empty parameters: state_dict -> torch.save -> torch.load(weights_only)
+    -> load_state_dict into a fresh optimizer, then both continue bit-identically."""
+    named_a = _shape_params(ROUND_TRIP_SHAPES)
+    opt_a = _shape_optimizer(kind, named_a)
+    for s in range(2):
+        _shape_grads(named_a, s)
+        opt_a.step()
+    saved_params = [p.detach().clone() for _, p in named_a]
+    saved = _roundtrip(opt_a.state_dict())
+    named_b = [(n, torch.nn.Parameter(v.clone())) for (n, _), v in zip(named_a, saved_params)]
+    opt_b = _shape_optimizer(kind, named_b)
+    opt_b.load_state_dict(saved)
+    for s in range(2, 4):
+        for named in (named_a, named_b):
+            _shape_grads(named, s)
+        opt_a.step()
+        opt_b.step()
+    for (name, a), (_, b) in zip(named_a, named_b):
+        assert torch.equal(a, b), name
+    assert state_digest(opt_a.state_dict()) == state_digest(opt_b.state_dict())
+
+
+def test_zero_dim_parameter_checkpoint_loads_case_004():
+    """../shared/cases/004: a learnable scalar next to a matrix and a vector; the raw IndexError is gone."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 1e-3) for s in [(16, 8), (), (7,)]]
+    opt = gefen.Gefen(params, lr=1e-2)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = gefen.Gefen(twin, lr=1e-2)
+    opt2.load_state_dict(_roundtrip(opt.state_dict()))
+    assert int(opt2.state[twin[1]]["step"]) == 2 and int(opt2.state[twin[1]]["period"]) == 1
+    for p, q in zip(params, twin):
+        g = torch.randn(p.shape)
+        p.grad, q.grad = g, g.clone()
+    opt.step()
+    opt2.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, twin))
+
+
+_MALFORMED = [None, 1, -1, 3.5, "x", [], {}, [1, 2], float("nan"), torch.zeros(()), torch.zeros(3), torch.zeros(0)]
+_MALFORMED += [torch.zeros(2, 2, dtype=torch.float64), torch.tensor(-5), torch.zeros(5, dtype=torch.uint8)]
+
+
+def _paths(obj, path=()):
+    """Every (path, value) of a nested state dict, containers included."""
+    yield path, obj
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _paths(value, (*path, key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from _paths(value, (*path, i))
+
+
+@pytest.fixture(scope="module")
+def _checkpoints():
+    """A real checkpoint (torch.save round trip) of each optimizer over every shape class, after two steps."""
+    import warnings
+
+    saved = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kind in ("gefen", "muon", "hybrid"):
+            named = _shape_params(ROUND_TRIP_SHAPES)
+            opt = _shape_optimizer(kind, named)
+            for s in range(2):
+                _shape_grads(named, s)
+                opt.step()
+            saved[kind] = _roundtrip(opt.state_dict())
+    return saved
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_malformed_checkpoints_get_a_checkpoint_error(kind, data, _checkpoints):
+    """Any one structural mutation of a real checkpoint (a key removed, renamed or added, a value replaced by
+    another type, shape or dtype) either loads or raises CheckpointError (never a raw IndexError, KeyError,
+    TypeError, ...), and a refused load changes nothing."""
+    checkpoint = copy.deepcopy(_checkpoints[kind])
+    paths = [p for p, _ in _paths(checkpoint) if p]
+    path = data.draw(st.sampled_from(paths), label="path")
+    parent = checkpoint
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    action = data.draw(st.sampled_from(["remove", "replace", "add", "rename"]), label="action")
+    bad = copy.deepcopy(data.draw(st.sampled_from(_MALFORMED), label="value"))
+    if action == "remove" or (action == "rename" and isinstance(parent, list)):
+        parent.pop(key)
+    elif action == "replace":
+        parent[key] = bad
+    elif action == "add":
+        if isinstance(parent, list):
+            parent.append(bad)
+        else:
+            parent[data.draw(st.sampled_from(["zzz", 999, -1, "step", "0"]), label="new key")] = bad
+    else:
+        parent[data.draw(st.sampled_from([f"{key}x", 12345, -3, "0"]), label="new name")] = parent.pop(key)
+    named = _shape_params(ROUND_TRIP_SHAPES)
+    opt = _shape_optimizer(kind, named)
+    before = state_digest(opt.state_dict())
+    try:
+        opt.load_state_dict(checkpoint)
+    except CheckpointError:
+        assert state_digest(opt.state_dict()) == before
