@@ -10,6 +10,7 @@ value, the constraint and the fix.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,13 @@ def as_float(value: Any) -> float:
     return _real(value)
 
 
+def _example(where: str, name: str) -> str:
+    """The argument name for a message's "pass e.g." hint: the one ``where`` ends with (``backup_lr``,
+    ``muon_weight_decay``) when it ends with ``name``, else ``name``."""
+    match = re.search(r"([A-Za-z_][A-Za-z0-9_]*)'?\]?$", where)
+    return match.group(1) if match and match.group(1).endswith(name) else name
+
+
 def check_lr(
     lr: object, where: str, error: type[Exception] = ConfigError, host_values: bool = True
 ) -> float | torch.Tensor:
@@ -85,14 +93,14 @@ def check_lr(
             "tensor or a float; pass e.g. lr=torch.tensor(1e-3)."
         )
     if not _is_real_number(lr):
-        raise error(f"{where}={lr!r} must be a float >= 0; pass e.g. lr=1e-3.")
+        raise error(f"{where}={lr!r} must be a float >= 0; pass e.g. {_example(where, 'lr')}=1e-3.")
     if isinstance(lr, torch.Tensor) and not host_values:
         if not lr.is_floating_point():
             raise error(f"{where} is a {lr.dtype} tensor; capturable=True needs a floating lr tensor.")
         return lr
     value = _real(lr)
     if not _finite(value) or value < 0.0:
-        raise error(f"{where}={value} must be a finite number >= 0; pass e.g. lr=1e-3.")
+        raise error(f"{where}={value} must be a finite number >= 0; pass e.g. {_example(where, 'lr')}=1e-3.")
     return lr  # type: ignore[return-value]
 
 
@@ -149,7 +157,9 @@ def check_weight_decay(weight_decay: object, where: str, error: type[Exception] 
     """
     wd = weight_decay
     if not _is_real_number(wd) or not _finite(_real(wd)) or _real(wd) < 0.0:
-        raise error(f"{where}={weight_decay!r} must be a finite number >= 0; pass e.g. weight_decay=0.01.")
+        raise error(
+            f"{where}={weight_decay!r} must be a finite number >= 0; pass e.g. {_example(where, 'weight_decay')}=0.01."
+        )
     return _real(wd)
 
 

@@ -329,6 +329,61 @@ def test_hybrid_refuses_bad_construction() -> None:
         gefen.GefenMuonHybrid(frozen, lr=1e-3)
 
 
+def _flattened_model() -> nn.Module:
+    flat = nn.Module()  # ../shared/cases/005: a 64x32 weight flattened to 1-D by a sharding wrapper
+    flat.w = nn.Parameter(torch.randn(64 * 32))
+    flat.b = nn.Parameter(torch.zeros(32))
+    return flat
+
+
+@pytest.mark.parametrize(
+    "build,reason",
+    [
+        (lambda: gefen.GefenMuonHybrid(_flattened_model(), lr=1e-3), "flattened by a wrapper"),
+        (lambda: gefen.GefenMuonHybrid(nn.Sequential(nn.Embedding(10, 4)), lr=1e-3), "embeddings or match"),
+        (lambda: gefen.GefenMuonHybrid([("w", nn.Parameter(torch.zeros(0, 5)))], lr=1e-3), "no elements"),
+        (lambda: gefen.GefenMuonHybrid(_Toy(), lr=1e-3, backup_substrings=("",)), "match backup_substrings"),
+        (lambda: gefen.GefenMuonHybrid([("b", nn.Parameter(torch.zeros(3)))], lr=1e-3), "no parameter is a 2-D"),
+    ],
+)
+def test_hybrid_with_nothing_for_muon_says_so_at_construction(build, reason) -> None:
+    """Case 005: a hybrid whose Muon half holds no element is a plain backup optimizer; it says so and why."""
+    with pytest.warns(UserWarning, match="no parameter qualifies for Muon") as caught:
+        opt = build()
+    assert any(reason in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert opt.muon is None or all(p.numel() == 0 for g in opt.muon.param_groups for p in g["params"])
+
+
+def test_hybrid_with_muon_work_does_not_warn() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gefen.GefenMuonHybrid(_Toy(), lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"backup_lr": -1.0}, "backup_lr=-1.0"),
+        ({"backup_weight_decay": -0.5}, "backup_weight_decay=-0.5"),
+        ({"muon_weight_decay": float("nan")}, "muon_weight_decay=nan"),
+        ({"weight_decay": -1}, "weight_decay=-1"),
+        ({"lr": "fast"}, "lr='fast'"),
+        ({"eps": 0.0}, "eps=0.0"),
+        ({"betas": (0.9, 1.0)}, "betas[1]=1.0"),
+    ],
+)
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_hybrid_errors_name_the_argument_passed(kwargs, name, backup) -> None:
+    """Messages say ``backup_lr``, not the child's ``backup['lr']``."""
+    kwargs = {"lr": 1e-3, **kwargs}
+    with pytest.raises(ConfigError) as caught:
+        gefen.GefenMuonHybrid(_Toy(), backup_optimizer=backup, **kwargs)
+    message = str(caught.value)
+    assert message.startswith("GefenMuonHybrid: ") and name in message and "['" not in message, message
+
+
 # ---------------------------------------------------------------------------------------------- torch.optim contract
 def test_gefen_muon_tensor_lr_equals_float_lr_and_lr_zero_freezes() -> None:
     w0, target = _matrix_problem(4)

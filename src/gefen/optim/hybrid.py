@@ -31,7 +31,7 @@ from gefen.amp import (
 from gefen.checkpoint import check_hybrid_layout
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
-from gefen.hyperparams import check_flags, check_group
+from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, check_lr, check_weight_decay
 from gefen.kernels import resolve_backend_option
 from gefen.optim._base import WorkItem, iter_named_params, resolve_nonfinite
 from gefen.optim.gefen import Gefen, check_not_inference
@@ -57,6 +57,50 @@ Named = list[tuple[str, Tensor]]
 def _is_muon(name: str, param: Tensor, embedding_ids: set[int], substrings: Sequence[str]) -> bool:
     lowered = name.lower()
     return param.dim() == 2 and id(param) not in embedding_ids and not any(s in lowered for s in substrings)
+
+
+def nothing_for_muon(muon: Named, backup: Named, substrings: Sequence[str], backup_optimizer: str) -> str | None:
+    """The warning for a hybrid whose Muon half holds no element, or ``None`` when Muon has work.
+
+    A user who asks for a Muon hybrid and silently gets a plain backup optimizer (weights flattened to 1-D by a
+    wrapper, zero-element weights, embeddings only, or a ``backup_substrings`` that matches every weight) is told
+    so, with the reason that applies to their parameters.
+
+    Args:
+        muon, backup: the split, lists of ``(name, parameter)``.
+        substrings: the ``backup_substrings`` in force.
+        backup_optimizer: ``"gefen"`` or ``"adamw"``.
+
+    Returns:
+        The message, or ``None``.
+    """
+    if any(p.numel() for _, p in muon):
+        return None
+    reasons = []
+    flat = [(n, p) for n, p in backup if p.dim() < 2 and p.numel() >= 64]
+    if flat:
+        name, param = max(flat, key=lambda item: item[1].numel())
+        reasons.append(
+            f"{len(flat)} parameter(s) are 1-D with many elements (largest: {name!r}, {param.numel()} elements): "
+            "weights flattened by a wrapper (e.g. FSDP1 flat parameters)? Build the hybrid on the unwrapped model"
+        )
+    empty = [n for n, p in muon + backup if p.dim() == 2 and p.numel() == 0]
+    if empty:
+        reasons.append(f"{len(empty)} 2-D weight(s) have no elements (e.g. {empty[0]!r})")
+    routed = [n for n, p in backup if p.dim() == 2 and p.numel()]
+    if routed:
+        reasons.append(
+            f"{len(routed)} 2-D weight(s) are embeddings or match backup_substrings={tuple(substrings)!r} "
+            f"(e.g. {routed[0]!r})"
+        )
+    if not reasons:
+        reasons.append("no parameter is a 2-D weight")
+    return (
+        f"GefenMuonHybrid: no parameter qualifies for Muon (it takes 2-D hidden weights with elements), so all "
+        f"{len(backup)} trainable parameter(s) go to the backup and this is a plain {backup_optimizer} optimizer: "
+        + "; ".join(reasons)
+        + ". Use gefen.Gefen directly if that is intended."
+    )
 
 
 def split_params_for_muon(
@@ -275,6 +319,22 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         validate_split(muon, backup, model_or_named_params if isinstance(model_or_named_params, nn.Module) else None)
         if not muon and not backup:
             raise ConfigError("GefenMuonHybrid got no trainable parameter.")
+        # checked first under the hybrid's own argument names (backup_lr, not backup['lr'])
+        where = "GefenMuonHybrid: "
+        check_lr(lr, where + "lr")
+        check_weight_decay(weight_decay, where + "weight_decay")
+        check_betas(betas, where + "betas")
+        check_eps(eps, where + "eps")
+        for name, value in (
+            ("backup_lr", backup_lr),
+            ("muon_weight_decay", muon_weight_decay),
+            ("backup_weight_decay", backup_weight_decay),
+        ):
+            if value is not None:
+                (check_lr if name == "backup_lr" else check_weight_decay)(value, where + name)
+        message = nothing_for_muon(muon, backup, backup_substrings, backup_optimizer)
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
         if adjust_lr_fn in (None, "original"):
             warnings.warn(
                 "GefenMuonHybrid with adjust_lr_fn='original' scales Muon's lr by sqrt(max(1, R/C)) only: an "
@@ -310,7 +370,6 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         if backup:
             blr = lr if backup_lr is None else backup_lr
             bwd = wd if backup_weight_decay is None else backup_weight_decay
-            check_group({"lr": blr, "betas": betas, "eps": eps, "weight_decay": bwd}, "GefenMuonHybrid backup")
             if backup_optimizer == "gefen":
                 self.backup = Gefen(
                     backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False, **policies
