@@ -12,7 +12,8 @@ Prints one JSON object::
      "ratio_gefen_native_vs_adamw_fused": float,
      "ratio_gefen_compiled_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
      "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float,
-     "ratio_gefen_vs_adamw_fused_1_thread": float}
+     "ratio_gefen_vs_adamw_fused_1_thread": float, "nonfinite_check_s": float,
+     "nonfinite_check_fraction_of_gefen_step": float}
 
 ``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``backend="auto"``: the native kernels on
 the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, the same
@@ -33,6 +34,9 @@ per-pair ratios), because on a shared machine the clock drifts between rows meas
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
 ``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
+``nonfinite_check_s`` is the median time (seconds) of the NaN/Inf check a default (``nonfinite="skip"``) Gefen
+step makes over all the gradients before it changes anything (already inside the ``gefen`` rows' step times), and
+``nonfinite_check_fraction_of_gefen_step`` its share of the default Gefen step.
 ``peak_extra_memory_bytes`` is the peak memory above the level before the timed steps (CPU: Linux resident-set
 high-water mark; CUDA: allocator peak). Gradients are fixed random tensors: the step only reads them. No
 assertion on speed is made here; the issues set the bounds.
@@ -52,6 +56,7 @@ from collections.abc import Callable
 import torch
 
 import gefen
+from gefen.amp import unusable_names
 
 #: (d_model, n_layers, ffn hidden, vocab) per named size; ~25M and ~125M parameters.
 SIZES = {"25m": (512, 6, 1408, 8192), "125m": (768, 12, 2048, 32768), "tiny": (128, 2, 352, 1024)}
@@ -223,6 +228,18 @@ def interleaved(
     return {"a_s": statistics.median(times_a), "b_s": statistics.median(times_b), "ratio": statistics.median(ratios)}
 
 
+def time_nonfinite_check(named: list[tuple[str, torch.nn.Parameter]], device: torch.device, steps: int) -> float:
+    """Median seconds of the NaN/Inf check of ``nonfinite="skip"`` over every gradient (one host read)."""
+    grads = [(name, p.grad) for name, p in named if p.grad is not None]
+    times = []
+    for _ in range(steps + 1):
+        _sync(device)
+        start = time.perf_counter()
+        unusable_names(grads)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def measure(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup: int) -> dict[str, object]:
     """Time one optimizer: first step (Gefen: minus compile time), median step, peak extra memory."""
     row: dict[str, object] = {}
@@ -320,6 +337,7 @@ def main() -> None:
             args.warmup,
         )
     torch.set_num_threads(threads)
+    check_s = time_nonfinite_check(named, device, 2 * args.steps)
 
     def ratio(name: str) -> float | None:
         return results[name]["opt_step_time_s"] / fused_s if name in results else None
@@ -345,6 +363,8 @@ def main() -> None:
                 / results["torch_muon"]["opt_step_time_s"]
                 if "torch_muon" in results
                 else None,
+                "nonfinite_check_s": check_s,
+                "nonfinite_check_fraction_of_gefen_step": check_s / pairs[""]["b_s"],
             },
             indent=2,
         )

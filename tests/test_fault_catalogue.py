@@ -158,7 +158,17 @@ def _assert_matches_control(rig: Rig, options: dict[str, Any], warm: int, amp: b
     _step(rig)
     for (name, p), q in zip(rig.model.named_parameters(), params):
         _assert_same(p.detach(), q, f"param {name} after a good step")
-    _assert_same(rig.opt.state_dict(), state_dict, "state_dict after a good step")
+    _assert_same(_uncounted(rig.opt.state_dict()), _uncounted(state_dict), "state_dict after a good step")
+
+
+def _uncounted(state_dict: Any) -> Any:
+    """A state dict without its ``skipped_steps`` counters (the one thing a skipped step changes; compared
+    separately)."""
+    if isinstance(state_dict, dict):
+        return {k: _uncounted(v) for k, v in state_dict.items() if k != "skipped_steps"}
+    if isinstance(state_dict, list):
+        return [_uncounted(v) for v in state_dict]
+    return state_dict
 
 
 # ============================================================================================ comparisons
@@ -196,7 +206,8 @@ def _snapshot(rig: Rig) -> dict[str, Any]:
     children = _children(rig.opt)
     return {
         "params": [(n, p.detach().clone()) for n, p in rig.model.named_parameters()],
-        "state_dict": copy.deepcopy(rig.opt.state_dict()),
+        "state_dict": _uncounted(copy.deepcopy(rig.opt.state_dict())),
+        "skipped_steps": rig.opt.skipped_steps,
         "codebooks": [copy.deepcopy(getattr(c, "codebook", None)) for c in children],
         "global_steps": [getattr(c, "global_step", None) for c in children],
         # the live containers and tensor objects themselves (a refusal must not swap them)
@@ -219,6 +230,7 @@ def _assert_unchanged(rig: Rig, before: dict[str, Any]) -> None:
     _assert_same(after["state_dict"], before["state_dict"], "state_dict")
     _assert_same(after["codebooks"], before["codebooks"], "codebook")
     assert after["global_steps"] == before["global_steps"]
+    assert after["skipped_steps"] == before["skipped_steps"]
     assert after["objects"] == before["objects"], "live state / param_groups objects were replaced"
 
 
@@ -301,16 +313,27 @@ _add(
     construct("nonfinite='maybe'", "muon", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
     construct("nonfinite='maybe'", "hybrid_adamw", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
     construct(
-        "deterministic+ignore", "gefen", ConfigError, r"refuses non-finite", deterministic=True, nonfinite="ignore"
+        "deterministic+propagate",
+        "gefen",
+        ConfigError,
+        r"refuses to let non-finite",
+        deterministic=True,
+        nonfinite="propagate",
     ),
     construct(
-        "deterministic+ignore",
+        "deterministic+propagate",
         "hybrid_gefen",
         ConfigError,
-        r"refuses non-finite",
+        r"refuses to let non-finite",
         deterministic=True,
-        nonfinite="ignore",
+        nonfinite="propagate",
     ),
+    *[
+        construct(
+            "capturable+skip", k, ConfigError, r"capturable=True.*nonfinite='skip'", capturable=True, nonfinite="skip"
+        )
+        for k in ("gefen", "muon", "hybrid_gefen")
+    ],
     construct(
         "capturable+deterministic",
         "gefen",
@@ -522,18 +545,54 @@ for _kind in KINDS:
             ),
         )
 
+_SKIPPED = r"skipped this step because the gradients of {} hold NaN/Inf.*nothing was changed \(1 skipped step"
+PROPAGATE = {"nonfinite": "propagate"}
 _add(
-    # a NaN in a parameter's first gradient is always refused (period search and codebook need finite values)
-    step("NaN first grad/gefen", "gefen", _poison("1.weight", NAN), StepError, r"1\.weight has NaN/Inf", warm=(0,)),
-    step("NaN first grad/muon", "muon", _poison("1.weight", NAN), StepError, r"1\.weight has NaN/Inf", warm=(0,)),
+    # under the default nonfinite="skip" a NaN gradient skips the step (first or later): warned, counted, nothing
+    # else changes; under "propagate" a parameter's first gradient is still refused (period search and codebook)
+    *[
+        step(
+            f"NaN grad, default skips/{k}/{name}", k, _poison(name, NAN), UserWarning, _SKIPPED.format(re.escape(name))
+        )
+        for k, name in (
+            ("gefen", "1.weight"),
+            ("muon", "1.weight"),
+            ("hybrid_gefen", "2.weight"),
+            ("hybrid_gefen", "1.bias"),
+            ("hybrid_adamw", "2.weight"),
+            ("hybrid_adamw", "1.bias"),
+        )
+    ],
+    step(
+        "huge grad, default skips/gefen", "gefen", _poison("1.weight", 1e20), UserWarning, _SKIPPED.format("1.weight")
+    ),
+    step(
+        "NaN first grad/gefen/propagate",
+        "gefen",
+        _poison("1.weight", NAN),
+        StepError,
+        r"1\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    step(
+        "NaN first grad/muon/propagate",
+        "muon",
+        _poison("1.weight", NAN),
+        StepError,
+        r"1\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
     # finite but beyond sqrt(float32 max): its square (the second moment) would overflow
     step(
-        "huge first grad/gefen",
+        "huge first grad/gefen/propagate",
         "gefen",
         _poison("1.weight", 1e20),
         StepError,
         r"1\.weight.*sums of squares overflow",
         warm=(0,),
+        **PROPAGATE,
     ),
     step(
         "huge grad/gefen/nonfinite=raise",
@@ -545,28 +604,31 @@ _add(
         nonfinite="raise",
     ),
     step(
-        "NaN first grad/hybrid_gefen/muon-half",
+        "NaN first grad/hybrid_gefen/muon-half/propagate",
         "hybrid_gefen",
         _poison("2.weight", NAN),
         StepError,
         r"2\.weight has NaN/Inf",
         warm=(0,),
+        **PROPAGATE,
     ),
     step(
-        "NaN first grad/hybrid_gefen/backup-half",
+        "NaN first grad/hybrid_gefen/backup-half/propagate",
         "hybrid_gefen",
         _poison("1.bias", NAN),
         StepError,
         r"1\.bias has NaN/Inf",
         warm=(0,),
+        **PROPAGATE,
     ),
     step(
-        "NaN first grad/hybrid_adamw/muon-half",
+        "NaN first grad/hybrid_adamw/muon-half/propagate",
         "hybrid_adamw",
         _poison("2.weight", NAN),
         StepError,
         r"2\.weight has NaN/Inf",
         warm=(0,),
+        **PROPAGATE,
     ),
     # GradScaler controls set by hand (malformed): refused before anything changes
     *[
@@ -624,14 +686,15 @@ for _kind in KINDS:
             warm=(WARM,),
             deterministic=True,
         ),
-        # documented contrast: the default policy ("ignore", like AdamW) lets a NaN through after warm-up
+        # documented contrast: "propagate" (like AdamW) lets a NaN through after warm-up
         step(
-            f"NaN grad after warm-up, default policy (contrast)/{_kind}",
+            f"NaN grad after warm-up, propagate (contrast)/{_kind}",
             _kind,
             _poison(_b, NAN),
             None,
             "",
             warm=(WARM,),
+            **PROPAGATE,
         ),
     )
 _add(
@@ -1102,8 +1165,13 @@ def test_step_faults(case: Case, warm: int) -> None:
         rig.opt.step(rig.closure)
         assert [getattr(c, "global_step", None) for c in _children(rig.opt)] != before["global_steps"]
         return
-    with pytest.raises(case.exc, match=case.match):
-        rig.opt.step(rig.closure)
+    if issubclass(case.exc, Warning):  # a skipped step: warned and counted, nothing else changes
+        with pytest.warns(case.exc, match=case.match):
+            rig.opt.step(rig.closure)
+        before["skipped_steps"] += 1
+    else:
+        with pytest.raises(case.exc, match=case.match):
+            rig.opt.step(rig.closure)
     if undo is not None:
         undo()
     _assert_unchanged(rig, before)

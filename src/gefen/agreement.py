@@ -38,7 +38,8 @@ def agree(
     identity: Sequence[tuple[str, tuple[int, ...], str]] = (),
     presence: Sequence[bool] = (),
     amp: tuple[bool, bool] = (False, False),
-) -> bool:
+    nonfinite: bool = False,
+) -> tuple[bool, bool]:
     """Agree across the mesh of ``shard`` on a step or load, before any other collective (collective).
 
     Args:
@@ -49,9 +50,11 @@ def agree(
         identity: ordered ``(name, global shape, dtype)`` of the sharded parameters.
         presence: per entry of ``identity``, whether this rank has its gradient.
         amp: GradScaler controls ``(present, overflow)``.
+        nonfinite: this rank found a NaN/Inf gradient that ``nonfinite="skip"`` skips the step for.
 
     Returns:
-        Whether every rank saw a GradScaler overflow (the step must be skipped everywhere).
+        ``(overflow, nonfinite)``: every rank saw a GradScaler overflow; some rank found a NaN/Inf gradient.
+        Either way the step must be skipped on every rank.
 
     Raises:
         StepError: (``CheckpointError`` for ``phase="load_state_dict"``) on every rank, with the same message:
@@ -64,11 +67,11 @@ def agree(
     device, group, world = collective_device(shard), shard.group, shard.world
     high, low = digest64(identity)
     header = torch.tensor(
-        [failure is not None, len(identity), high, low, amp[0], amp[1]], dtype=torch.int64, device=device
+        [failure is not None, len(identity), high, low, amp[0], amp[1], nonfinite], dtype=torch.int64, device=device
     )
     both = torch.cat([header, -header])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    top, bottom = both[:6].tolist(), (-both[6:]).tolist()
+    top, bottom = both[:7].tolist(), (-both[7:]).tolist()
     if top[0]:
         messages: list[Any] = [None] * world
         mine = None if failure is None else f"{type(failure).__name__}: {failure}"
@@ -108,4 +111,4 @@ def agree(
                 "parameter must have a gradient on every rank or on none (set_to_none / frozen parameters must "
                 "agree). Nothing was changed on any rank."
             )
-    return bool(top[5])
+    return bool(top[5]), bool(top[6])

@@ -33,6 +33,7 @@ __all__ = [
     "read_amp_controls",
     "unscale_grads_",
     "first_nonfinite",
+    "unusable_names",
     "nonfinite_error",
     "policy_name",
 ]
@@ -150,12 +151,12 @@ def _usable(grad: Tensor) -> Tensor:
     return (high.float() <= bound) & (low.float() >= -bound)
 
 
-def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Name of the first gradient holding a NaN, an Inf, or a value beyond :func:`usable_bound` (whose sums of
-    squares would overflow float32), or ``None``; one host sync for all of them.
+def unusable_names(named_grads: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Names, in order, of the gradients holding a NaN, an Inf, or a value beyond :func:`usable_bound` (whose sums
+    of squares would overflow float32); one fused min/max reduction per gradient and one host read for all.
 
     Args:
-        named_grads: ``(name, gradient)`` pairs.
+        named_grads: ``(name, gradient)`` pairs (any devices, dtypes and shapes).
     """
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, g) in enumerate(named_grads):
@@ -164,7 +165,13 @@ def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
     for indices in by_device.values():
         ok = torch.stack([_usable(named_grads[i][1]) for i in indices]).cpu()
         bad += [i for i, flag in zip(indices, ok.tolist()) if not flag]
-    return named_grads[min(bad)][0] if bad else None
+    return [named_grads[i][0] for i in sorted(bad)]
+
+
+def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
+    """Name of the first gradient :func:`unusable_names` lists, or ``None``."""
+    bad = unusable_names(named_grads)
+    return bad[0] if bad else None
 
 
 def policy_name(deterministic: bool) -> str:

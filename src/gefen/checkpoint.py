@@ -5,8 +5,9 @@ state dict.
 
     {"state": {i: {<keys of gefen.state>}},
      "param_groups": [{..., "gefen_metadata": <the same dict>}, ...],
-     "gefen": {"schema_version": 2, "optimizer": "Gefen", "period_search": "<variant>",
-               "codebook": fp32 (256,) tensor or None, "global_step": int, "deterministic": bool}}
+     "gefen": {"schema_version": 3, "optimizer": "Gefen", "period_search": "<variant>",
+               "codebook": fp32 (256,) tensor or None, "global_step": int, "deterministic": bool,
+               "skipped_steps": int}}
 
 The mirror exists because tools such as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keep
 only ``state`` and ``param_groups``: without it the codebook would be lost and the uint8 codes unreadable. The
@@ -26,6 +27,8 @@ Schema history:
 * 1 — top-level ``"gefen"`` entry only; no ``deterministic`` tag.
 * 2 — adds ``deterministic`` and the per-group mirror. A v1 checkpoint migrates with an untagged policy (it loads
   under the live one).
+* 3 — adds ``skipped_steps`` (steps skipped for NaN/Inf gradients under ``nonfinite="skip"``); a v2 checkpoint
+  migrates with 0.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ __all__ = [
 ]
 
 #: Version of the layout above. Bump it (and add a migration to :data:`MIGRATIONS`) whenever the layout changes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Top-level key of the metadata entry.
 METADATA_KEY = "gefen"
 #: Key of the metadata mirror inside every saved param group.
@@ -70,7 +73,7 @@ GROUP_METADATA_KEY = "gefen_metadata"
 
 
 def build_metadata(
-    optimizer_kind: str, codebook: Tensor | None, global_step: int, deterministic: bool
+    optimizer_kind: str, codebook: Tensor | None, global_step: int, deterministic: bool, skipped_steps: int = 0
 ) -> dict[str, Any]:
     """The metadata entry written next to ``state`` and ``param_groups``.
 
@@ -79,6 +82,7 @@ def build_metadata(
         codebook: fp32 (256,) codebook, or ``None`` before the first step.
         global_step: number of completed ``step()`` calls that updated anything.
         deterministic: the optimizer's ``deterministic`` policy.
+        skipped_steps: number of ``step()`` calls skipped for NaN/Inf gradients (``nonfinite="skip"``).
 
     Returns:
         A dict of plain values (the codebook is cloned so later steps cannot change a saved dict).
@@ -90,6 +94,7 @@ def build_metadata(
         "codebook": None if codebook is None else codebook.detach().clone(),
         "global_step": int(global_step),
         "deterministic": bool(deterministic),
+        "skipped_steps": int(skipped_steps),
     }
 
 
@@ -109,8 +114,13 @@ def _migrate_v1_to_v2(meta: dict[str, Any]) -> dict[str, Any]:
     return {**meta, "schema_version": 2, "deterministic": None}
 
 
+def _migrate_v2_to_v3(meta: dict[str, Any]) -> dict[str, Any]:
+    """v2 had no ``skipped_steps``: nothing was ever skipped for NaN/Inf gradients."""
+    return {**meta, "schema_version": 3, "skipped_steps": 0}
+
+
 #: ``version -> function`` taking a metadata dict of that version to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate_v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate_v1_to_v2, 2: _migrate_v2_to_v3}
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class Metadata:
         codebook: fp32 (256,) tensor or ``None``.
         global_step: ``>= 0``.
         deterministic: the saved policy, or ``None`` for an untagged (v1) checkpoint.
+        skipped_steps: ``>= 0``, steps skipped for NaN/Inf gradients (0 for checkpoints before schema 3).
     """
 
     saved_version: int
@@ -130,6 +141,7 @@ class Metadata:
     codebook: Tensor | None
     global_step: int
     deterministic: bool | None
+    skipped_steps: int = 0
 
 
 _INT64_MAX = 2**63 - 1
@@ -251,7 +263,10 @@ def read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Metadat
         reason = validate_codebook(codebook)
         if reason is not None:
             raise CheckpointError(f"checkpoint codebook is invalid: {reason}.")
-    return Metadata(saved_version, kind, codebook, global_step, deterministic)
+    skipped = _int_counter(meta.get("skipped_steps"), "checkpoint skipped_steps")
+    if skipped < 0:
+        raise CheckpointError(f"checkpoint skipped_steps={skipped} must be >= 0.")
+    return Metadata(saved_version, kind, codebook, global_step, deterministic, skipped)
 
 
 def stage_param_state(
@@ -459,11 +474,13 @@ _ADDED_GROUP_KEYS = frozenset({"sharded_mode"})
 #: children; older hybrid checkpoints lack it and load under the live policy).
 HYBRID_KEYS = frozenset({"muon", "backup", "backup_optimizer"})
 HYBRID_POLICY_KEY = "deterministic"
+#: Steps the hybrid skipped for NaN/Inf gradients (optional: older hybrid checkpoints lack it, meaning 0).
+HYBRID_SKIPPED_KEY = "skipped_steps"
 #: Accepted ``backup_optimizer`` tags.
 HYBRID_BACKENDS = ("gefen", "adamw")
 
 
-def check_hybrid_layout(state_dict: object, backend: str | None = None, deterministic: bool | None = None) -> None:
+def check_hybrid_layout(state_dict: object, backend: str | None = None, deterministic: bool | None = None) -> int:
     """Validate the top level of a hybrid checkpoint (the halves are validated by their children).
 
     Args:
@@ -471,11 +488,15 @@ def check_hybrid_layout(state_dict: object, backend: str | None = None, determin
         backend: the live hybrid's ``backup_optimizer`` (``None``: not compared, e.g. offline inspection).
         deterministic: the live hybrid's policy (``None``: not compared).
 
+    Returns:
+        The checkpoint's ``skipped_steps`` (0 where it predates the key).
+
     Raises:
-        CheckpointError: not ``{"muon", "backup", "backup_optimizer"[, "deterministic"]}``, an unknown or other
-            backend, a non-bool or other policy tag, both halves empty.
+        CheckpointError: not ``{"muon", "backup", "backup_optimizer"[, "deterministic", "skipped_steps"]}``, an
+            unknown or other backend, a non-bool or other policy tag, a bad skipped-step count, both halves empty.
     """
-    if not isinstance(state_dict, Mapping) or not (HYBRID_KEYS <= set(state_dict) <= HYBRID_KEYS | {HYBRID_POLICY_KEY}):
+    optional = {HYBRID_POLICY_KEY, HYBRID_SKIPPED_KEY}
+    if not isinstance(state_dict, Mapping) or not (HYBRID_KEYS <= set(state_dict) <= HYBRID_KEYS | optional):
         keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise CheckpointError(
             f"not a GefenMuonHybrid checkpoint (keys {keys}); expected 'muon', 'backup', 'backup_optimizer' "
@@ -496,6 +517,10 @@ def check_hybrid_layout(state_dict: object, backend: str | None = None, determin
         raise CheckpointError(f"hybrid deterministic policy must be a bool, got {policy!r}; the checkpoint was edited.")
     if deterministic is not None and isinstance(policy, bool):
         _check_policy(policy, deterministic)
+    skipped = _int_counter(state_dict.get(HYBRID_SKIPPED_KEY, 0), f"hybrid {HYBRID_SKIPPED_KEY}")
+    if skipped < 0:
+        raise CheckpointError(f"hybrid {HYBRID_SKIPPED_KEY}={skipped} must be >= 0.")
+    return skipped
 
 
 def _check_policy(saved: bool | None, live: bool) -> None:

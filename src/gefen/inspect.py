@@ -80,6 +80,7 @@ class HalfReport:
         deterministic: the saved policy (bool), ``None`` when untagged (schema 1) or absent, or the raw value
             when refused.
         global_step: number of completed steps (int), or the raw value when refused.
+        skipped_steps: steps skipped for NaN/Inf gradients (int; 0 before schema 3), or the raw value when refused.
         n_groups: number of param groups.
         n_params_listed: number of parameter indices listed by the groups.
         n_params_with_state: number of entries in ``state``.
@@ -99,6 +100,7 @@ class HalfReport:
     saved_schema_version: Any = None
     deterministic: Any = None
     global_step: Any = None
+    skipped_steps: Any = None
     n_groups: int = 0
     n_params_listed: int = 0
     n_params_with_state: int = 0
@@ -125,10 +127,14 @@ class CheckpointReport:
         backup_optimizer: a hybrid's ``"gefen"`` or ``"adamw"`` (the raw value if unknown); ``None`` otherwise.
         halves: one :class:`HalfReport` per state dict (one, or a hybrid's non-empty halves).
         problems: problems of the top-level layout (not of a half).
+        skipped_steps: a hybrid's own count of steps skipped for NaN/Inf gradients (the hybrid skips both halves
+            at once; 0 where the checkpoint predates it, the raw value when refused); ``None`` for other
+            checkpoints, whose count is their half's.
     """
 
     optimizer: str | None
     backup_optimizer: Any = None
+    skipped_steps: Any = None
     halves: list[HalfReport] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -368,11 +374,13 @@ def inspect_gefen_state_dict(state_dict: object, optimizer: str | None, label: s
         report.saved_schema_version = meta.saved_version
         report.deterministic = meta.deterministic
         report.global_step = meta.global_step
+        report.skipped_steps = meta.skipped_steps
         report.codebook = meta.codebook
     else:
         report.saved_schema_version = _plain(raw.get("schema_version"))
         report.deterministic = _plain(raw.get("deterministic"))
         report.global_step = _plain(raw.get("global_step"))
+        report.skipped_steps = _plain(raw.get("skipped_steps"))
         codebook = raw.get("codebook")
         report.codebook = codebook if isinstance(codebook, Tensor) else None
 
@@ -476,9 +484,10 @@ def inspect_state_dict(state_dict: object) -> CheckpointReport:
         return CheckpointReport(optimizer=kind, halves=[inspect_gefen_state_dict(state_dict, kind)])
     report = CheckpointReport(optimizer="GefenMuonHybrid", backup_optimizer=_plain(state_dict.get("backup_optimizer")))
     try:
-        check_hybrid_layout(state_dict)
+        report.skipped_steps = check_hybrid_layout(state_dict)
     except CheckpointError as exc:
         report.problems.append(str(exc))
+        report.skipped_steps = _plain(state_dict.get("skipped_steps"))
     backup_name = state_dict.get("backup_optimizer")
     backup_kind = _BACKUP_KINDS.get(backup_name) if isinstance(backup_name, str) else None
     if state_dict.get("muon") is not None:

@@ -270,8 +270,9 @@ def test_refused_steps_change_nothing(first_step):
 
 
 def test_non_finite_first_gradient_is_refused_before_learning():
+    """Even where later NaN steps propagate, a first gradient must be finite (its period and the codebook)."""
     model = _model()
-    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    opt = gefen.Gefen(model.parameters(), lr=1e-2, nonfinite="propagate")
     _loss(model).backward()
     params = list(model.parameters())
     params[1].grad[0] = float("nan")

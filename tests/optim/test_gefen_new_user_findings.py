@@ -142,7 +142,7 @@ def test_state_dict_post_hooks_see_the_metadata():
 
 def test_first_gradient_overflowing_float32_is_a_step_error():
     p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float64))
-    opt = gefen.Gefen([p], lr=1e-3)
+    opt = gefen.Gefen([p], lr=1e-3, nonfinite="propagate")
     p.grad = torch.full((64,), 1e50, dtype=torch.float64)
     with pytest.raises(StepError, match="float32"):
         opt.step()

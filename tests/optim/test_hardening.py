@@ -327,8 +327,8 @@ def test_capturable_resume_is_bit_exact():
     assert digest(opt2.state_dict()) == digest(whole.state_dict())
 
 
-def test_nonfinite_raise_refuses_a_nan_step_and_ignore_lets_it_through():
-    for policy, raises in (("raise", True), (None, False)):
+def test_nonfinite_raise_refuses_a_nan_step_and_propagate_lets_it_through():
+    for policy, raises in (("raise", True), ("propagate", False)):
         m = _cap_model()
         opt = gefen.Gefen(m.named_parameters(), nonfinite=policy, fused=False)
         _cap_grads(m, 0)
@@ -343,6 +343,13 @@ def test_nonfinite_raise_refuses_a_nan_step_and_ignore_lets_it_through():
         else:
             opt.step()
             assert torch.isnan(m[1].weight).any()
+
+
+def test_ignore_is_the_old_name_of_propagate():
+    m = _cap_model()
+    with pytest.warns(FutureWarning, match="old name of nonfinite='propagate'"):
+        opt = gefen.Gefen(m.parameters(), nonfinite="ignore")
+    assert opt.nonfinite == "propagate"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -151,6 +151,13 @@ def _merge(counts: list[dict[Any, int]]) -> dict[Any, int]:
     return dict(sorted(total.items()))
 
 
+def _skipped(report: CheckpointReport) -> Any:
+    """Steps skipped for NaN/Inf gradients: a hybrid's own count, else the Gefen half's (``None``: unknown)."""
+    if report.optimizer == "GefenMuonHybrid":
+        return report.skipped_steps
+    return _agreed([h.skipped_steps for h in report.halves if h.gefen_layout])
+
+
 def _half_json(half: HalfReport) -> dict[str, Any]:
     return {
         "label": half.label,
@@ -158,6 +165,7 @@ def _half_json(half: HalfReport) -> dict[str, Any]:
         "saved_schema_version": half.saved_schema_version,
         "deterministic": _policy(half),
         "global_step": half.global_step,
+        "skipped_steps": half.skipped_steps,
         "n_groups": half.n_groups,
         "n_params_listed": half.n_params_listed,
         "n_params_with_state": half.n_params_with_state,
@@ -175,7 +183,8 @@ def report_json(report: CheckpointReport, checkpoint: Path | None, plot: str | N
     """The JSON report: totals over the halves, then one entry per half.
 
     ``saved_schema_version``, ``deterministic`` and ``global_step`` are the Gefen halves' common value
-    (``None`` when they differ); ``periods`` (keys: period as a string) and ``second_moment_kinds`` are summed;
+    (``None`` when they differ); ``skipped_steps`` (steps skipped for NaN/Inf gradients) is a hybrid's own count,
+    else the Gefen half's; ``periods`` (keys: period as a string) and ``second_moment_kinds`` are summed;
     ``state_bytes`` is in bytes, ``state_bytes_per_param`` in bytes per parameter element (``None`` without state).
     """
     gefen_halves = [h for h in report.halves if h.gefen_layout]
@@ -188,6 +197,7 @@ def report_json(report: CheckpointReport, checkpoint: Path | None, plot: str | N
         "saved_schema_version": _agreed([h.saved_schema_version for h in gefen_halves]),
         "deterministic": _agreed([_policy(h) for h in gefen_halves]),
         "global_step": _agreed([h.global_step for h in gefen_halves]),
+        "skipped_steps": _skipped(report),
         "n_groups": sum(h.n_groups for h in report.halves),
         "n_params_with_state": sum(h.n_params_with_state for h in report.halves),
         "numel_with_state": report.numel_with_state,
@@ -219,7 +229,7 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) and value != "untagged" else str(value)
 
 
-def _half_lines(half: HalfReport) -> list[str]:
+def _half_lines(half: HalfReport, hybrid: bool = False) -> list[str]:
     rows: list[tuple[str, str]] = []
     if half.gefen_layout:
         rows += [
@@ -227,6 +237,8 @@ def _half_lines(half: HalfReport) -> list[str]:
             ("deterministic", _shown(_policy(half))),
             ("global step", _shown(half.global_step)),
         ]
+        if not hybrid:  # a hybrid counts its skipped steps once, for both halves
+            rows.append(("skipped steps", _shown(half.skipped_steps)))
     rows.append(
         (
             "params with state",
@@ -257,10 +269,12 @@ def report_text(report: CheckpointReport, checkpoint: Path | None) -> str:
         kind += f" (backup: {report.backup_optimizer})"
     lines.append(f"optimizer: {kind}")
     hybrid = report.optimizer == "GefenMuonHybrid"
+    if hybrid:
+        lines.append(f"skipped steps (NaN/Inf gradients, both halves): {_shown(report.skipped_steps)}")
     for half in report.halves:
         if hybrid:
             lines.append(f"[{half.label}] {half.optimizer}")
-        lines += _half_lines(half)
+        lines += _half_lines(half, hybrid)
     if hybrid:
         lines.append(
             "total state: " + _bytes_line(report.state_bytes, report.numel_with_state, report.state_bytes_per_param)

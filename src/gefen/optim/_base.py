@@ -16,14 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen._warnings import warn_user
 from gefen.agreement import agree
 from gefen.amp import (
     amp_controls_present,
-    first_nonfinite,
     nonfinite_error,
     policy_name,
     read_amp_controls,
     unscale_grads_,
+    unusable_names,
     wants_native_amp,
 )
 from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
@@ -31,20 +32,18 @@ from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
 from gefen.kernels import group_backend
+from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
 
-__all__ = ["GefenOptimizer", "WorkItem", "iter_named_params"]
-
-
-#: Accepted ``nonfinite`` policies: ``"raise"`` refuses a step whose gradients hold NaN/Inf (one host sync per
-#: step); ``"ignore"`` lets them through like ``torch.optim.AdamW`` (a parameter's first gradient is always checked).
-NONFINITE_POLICIES = ("raise", "ignore")
+__all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
 
 def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
     """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
-    meta = build_metadata(optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic)
+    meta = build_metadata(
+        optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic, optimizer.skipped_steps
+    )
     meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
     if optimizer.sharded:
         if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
@@ -85,31 +84,18 @@ def iter_named_params(param_groups: list[dict[str, Any]]) -> Iterator[tuple[int,
             yield g, i, p, names[i] if names is not None else f"param_groups[{g}][{i}]"
 
 
-def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
-    """The effective ``nonfinite`` policy of an optimizer, validated against the other policies.
+@dataclass(frozen=True)
+class StepSkip:
+    """Why a step changes nothing.
 
-    ``None`` means ``"raise"`` under ``deterministic=True`` and ``"ignore"`` otherwise.
-
-    Raises:
-        ConfigError: an unknown value; ``"ignore"`` with ``deterministic=True``; ``"raise"`` (or
-            ``deterministic=True``) with ``capturable=True``, whose step may not read anything on the host.
+    Attributes:
+        nonfinite: ``True``: a gradient holds NaN/Inf under ``nonfinite="skip"`` (counted in ``skipped_steps``);
+            ``False``: GradScaler found an overflow (its own skip, not counted).
+        names: the parameters whose gradients are unusable (this rank's; empty for an overflow).
     """
-    if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"{kind} nonfinite={nonfinite!r} must be None, 'raise' or 'ignore'.")
-    policy = nonfinite if nonfinite is not None else ("raise" if deterministic else "ignore")
-    if deterministic and policy != "raise":
-        raise ConfigError(
-            f"{kind}(deterministic=True) refuses non-finite gradients (a NaN step is not a reproducible step); "
-            "drop nonfinite='ignore' or pass deterministic=False."
-        )
-    if capturable and policy == "raise":
-        why = policy_name(deterministic)
-        raise ConfigError(
-            f"{kind}(capturable=True) cannot honour {why}: checking gradients for NaN/Inf needs a host sync in "
-            "step(), which a captured graph cannot run. Use capturable=False, or capturable=True with "
-            "deterministic=False and nonfinite=None (use torch.amp.GradScaler to skip overflow steps)."
-        )
-    return policy
+
+    nonfinite: bool
+    names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -167,6 +153,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._codebook: Tensor | None = None
         self._tables: dict[Any, Any] = {}  # per-device caches derived from the codebook
         self._global_step = 0
+        self._skipped_steps = 0
         self._init_runtime()
         super().__init__(params, defaults)
         # capturable=True: the global step is a device counter (graph replays run no Python)
@@ -178,7 +165,15 @@ class GefenOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""
         state = super().__getstate__()
-        for key in ("_codebook", "_global_step", "_global_step_t", "deterministic", "capturable", "nonfinite"):
+        for key in (
+            "_codebook",
+            "_global_step",
+            "_global_step_t",
+            "_skipped_steps",
+            "deterministic",
+            "capturable",
+            "nonfinite",
+        ):
             state[key] = getattr(self, key)
         return state
 
@@ -188,7 +183,8 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_global_step", 0)
         self.__dict__.setdefault("deterministic", False)
         self.__dict__.setdefault("capturable", False)
-        self.__dict__.setdefault("nonfinite", "ignore")
+        self.__dict__.setdefault("nonfinite", "propagate")
+        self.__dict__.setdefault("_skipped_steps", 0)
         self.__dict__.setdefault("_global_step_t", None)
         self._tables = {}
         self._init_runtime()
@@ -372,15 +368,17 @@ class GefenOptimizer(torch.optim.Optimizer):
             plan[g].append(WorkItem(self.param_groups[g]["params"][_i], grad, name, shard))
         return plan
 
-    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], bool]:
+    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], StepSkip | None]:
         """Everything a step checks before it may change anything: the closure, the groups and gradients, the
         GradScaler protocol (unscaling the gradients unless it found an overflow) and the NaN/Inf policy.
 
         A sharded optimizer then agrees with every rank (:func:`gefen.agreement.agree`): a local failure, another
-        parameter order or gradient presence, or other GradScaler controls fail every rank the same way.
+        parameter order or gradient presence, or other GradScaler controls fail every rank the same way, and a
+        NaN/Inf gradient on any rank skips the step on all of them.
 
         Returns:
-            ``(closure's loss, plan, skip)``; ``skip`` is true when GradScaler found an overflow.
+            ``(closure's loss, plan, skip)``; ``skip`` says why the step must change nothing (GradScaler overflow,
+            or a NaN/Inf gradient under ``nonfinite="skip"``), ``None`` when it runs.
 
         Raises:
             StepError, ConfigError: see :meth:`_prepare`, :meth:`_amp_skip`, :meth:`_check_finite` (a sharded
@@ -391,24 +389,40 @@ class GefenOptimizer(torch.optim.Optimizer):
             loss = self._evaluate_closure(closure)
             plan = self._prepare()
             if self._amp_skip(plan):
-                return loss, plan, True
+                return loss, plan, StepSkip(nonfinite=False)
             self._check_fresh_under_capture(plan)
-            self._check_finite(plan)
-            return loss, plan, False
-        loss, plan, failure, overflow, present = None, [], None, False, False
+            bad = self._check_finite(plan)
+            return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None
+        loss, plan, failure, overflow, present, bad = None, [], None, False, False, []
         try:
             loss = self._evaluate_closure(closure)
             plan = self._prepare()
             present = amp_controls_present(self)
             overflow = self._amp_skip(plan)
             if not overflow:
-                self._check_finite(plan)
+                bad = self._check_finite(plan)
         except Exception as exc:  # shared with every rank before anyone raises
             failure = exc
         has_grad = {id(item.param) for work in plan for item in work}
         presence = [id(p) in has_grad for _g, _i, p, _n in self._iter_params()]
-        skip = agree(self.kind, "step", shard, failure, self._identity(), presence, (present, overflow))
-        return loss, plan, skip
+        overflow, nonfinite = agree(
+            self.kind, "step", shard, failure, self._identity(), presence, (present, overflow), bool(bad)
+        )
+        if overflow:
+            return loss, plan, StepSkip(nonfinite=False)
+        return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if nonfinite else None
+
+    def _record_skip(self, skip: StepSkip) -> None:
+        """Count and report a step skipped for NaN/Inf gradients (nothing else changes)."""
+        if skip.nonfinite:
+            self._skipped_steps += 1
+            warn_user(skip_message(self.kind, skip.names, self._skipped_steps))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of ``step()`` calls skipped because a gradient held NaN/Inf (``nonfinite="skip"``); saved in
+        checkpoints. GradScaler's own overflow skips are not counted (the scaler reports those)."""
+        return self._skipped_steps
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         """Subclass hook: refuse a parameter's first step inside a trace or capture (raise StepError)."""
@@ -437,24 +451,31 @@ class GefenOptimizer(torch.optim.Optimizer):
             unscale_grads_([item.grad for work in plan for item in work], controls.grad_scale)
         return False
 
-    def _check_finite(self, plan: list[list[WorkItem]]) -> None:
-        """Refuse NaN/Inf gradients: every gradient with ``nonfinite="raise"`` (implied by ``deterministic=True``),
-        else only the first gradient of a parameter without state (its period search and the codebook need
-        finite values). One host sync; nothing is changed when it raises.
+    def _check_finite(self, plan: list[list[WorkItem]]) -> list[str]:
+        """Apply the ``nonfinite`` policy (see :mod:`gefen.nonfinite`) to the step's gradients; one host read.
+
+        ``"skip"`` and ``"raise"`` check every gradient, ``"propagate"`` only the first gradient of a parameter
+        without state (its period search and the codebook need finite values).
+
+        Returns:
+            Under ``"skip"``, the names of the unusable gradients (the step must be skipped when non-empty);
+            otherwise ``[]``.
 
         Raises:
-            StepError: naming the first such parameter.
+            StepError: naming the first such parameter, under ``"raise"`` or for a first gradient under
+                ``"propagate"``; nothing has been changed.
         """
-        everything = self.nonfinite == "raise"
+        everything = self.nonfinite != "propagate"
         named = [
             (item.name, item.grad)
             for work in plan
             for item in work
             if everything or STEP not in self.state.get(item.param, ())
         ]
-        bad = first_nonfinite(named)
-        if bad is not None:
-            raise nonfinite_error(self.kind, bad, policy_name(self.deterministic) if everything else None)
+        bad = unusable_names(named)
+        if not bad or self.nonfinite == "skip":
+            return bad
+        raise nonfinite_error(self.kind, bad[0], policy_name(self.deterministic) if everything else None)
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
@@ -529,6 +550,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.param_groups = staged.param_groups
         self._set_codebook(staged.codebook)
         self._set_global_step(staged.global_step)
+        self._skipped_steps = staged.metadata.skipped_steps
 
     def _run_load_post_hooks(self) -> None:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

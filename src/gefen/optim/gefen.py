@@ -186,17 +186,22 @@ class Gefen(GefenOptimizer):
         deterministic: bit-identical results for identical inputs on the same hardware and thread count,
             including the first step (period search, codebook). Every reduction of ours already runs in a fixed
             order (integer histograms, no float atomics); this flag additionally builds compiled kernels with
-            inductor's ``deterministic`` option, refuses non-finite gradients (``nonfinite="raise"``) and is
-            recorded in checkpoints: loading a checkpoint saved under the other policy is refused.
+            inductor's ``deterministic`` option, refuses non-finite gradients by default (``nonfinite="raise"``;
+            ``"skip"`` is allowed) and is recorded in checkpoints: loading a checkpoint saved under the other
+            policy is refused.
         capturable: per-step values live on the device (step counters int64 on the parameter's device, a tensor
             ``lr`` is read on device, the global step is a device counter), so ``step()`` makes no host sync after
             its first call and can be traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA graph.
             The first step of a parameter (period search, codebook) is host-driven: run at least one eager
             step before capturing; a parameter seen for the first time under capture is refused.
-        nonfinite: ``"raise"``: refuse (``StepError``, nothing changed) a step whose gradients hold NaN/Inf (one
-            host sync per step); ``"ignore"``: let them through like ``torch.optim.AdamW``; ``None``:
-            ``"raise"`` when ``deterministic=True``, else ``"ignore"``. A parameter's first gradient is always
-            checked (the period search and codebook need finite values).
+        nonfinite: what a step does when a gradient holds NaN/Inf (see :mod:`gefen.nonfinite`). ``"skip"`` (the
+            default): the step changes nothing at all (parameters, state, codebook, counters, global step), warns
+            naming the parameters and counts itself in :attr:`skipped_steps` (saved in checkpoints). ``"raise"``:
+            refuse it (``StepError``, nothing changed; the default under ``deterministic=True``).
+            ``"propagate"`` (old name ``"ignore"``): let them through like ``torch.optim.AdamW``; a parameter's
+            first gradient is still checked (the period search and codebook need finite values); the default
+            under ``capturable=True``, which refuses the other two. Costs one min/max reduction per gradient and
+            one host read per step.
         **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
             ``amsgrad=False``, ``differentiable=False``, ``foreach`` ``None`` or ``False``) so AdamW call sites
             keep working; anything else is refused.
@@ -208,8 +213,9 @@ class Gefen(GefenOptimizer):
     Raises:
         ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters, an
             AdamW option Gefen does not implement (e.g. ``maximize=True``), an unknown ``nonfinite``, or a policy
-            combination that cannot be honoured (``deterministic=True`` with ``nonfinite="ignore"``;
-            ``capturable=True`` with ``deterministic=True`` or ``nonfinite="raise"``, which need a host sync).
+            combination that cannot be honoured (``deterministic=True`` with ``nonfinite="propagate"``;
+            ``capturable=True`` with ``deterministic=True`` or ``nonfinite="skip"``/``"raise"``, which need a
+            host read).
         TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d``, ``deterministic`` or
             ``capturable`` is not a bool; an unknown keyword argument.
 
@@ -332,7 +338,8 @@ class Gefen(GefenOptimizer):
         _check_capture(self)
         check_not_inference(self.kind)
         loss, plan, skip = self._preflight(closure)
-        if skip:  # GradScaler found an overflow: the step is skipped, nothing changes
+        if skip is not None:  # GradScaler overflow or NaN/Inf under nonfinite="skip": nothing changes
+            self._record_skip(skip)
             return loss
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]

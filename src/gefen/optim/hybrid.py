@@ -18,14 +18,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gefen._warnings import warn_user
 from gefen.agreement import agree
 from gefen.amp import (
     amp_controls_present,
-    first_nonfinite,
     nonfinite_error,
     policy_name,
     read_amp_controls,
     unscale_grads_,
+    unusable_names,
     wants_native_amp,
 )
 from gefen.checkpoint import check_hybrid_layout
@@ -33,9 +34,11 @@ from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, check_lr, check_weight_decay
 from gefen.kernels import resolve_backend_option
-from gefen.optim._base import WorkItem, iter_named_params, resolve_nonfinite
+from gefen.nonfinite import resolve_nonfinite, skip_message
+from gefen.optim._base import StepSkip, WorkItem, iter_named_params
 from gefen.optim.gefen import Gefen, check_not_inference
 from gefen.optim.muon import GefenMuon
+from gefen.sharding import local
 
 __all__ = [
     "DEFAULT_BACKUP_SUBSTRINGS",
@@ -264,7 +267,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         backend, fused, deterministic, capturable, nonfinite: forwarded to both Gefen children (see :class:`Gefen`;
             ``fused`` is the deprecated alias of ``backend``, folded in here); with an
             AdamW backup, ``deterministic``/``nonfinite`` are enforced on its gradients by the hybrid, and
-            ``capturable=True`` is refused.
+            ``capturable=True`` is refused. Under ``nonfinite="skip"`` (the default) a NaN/Inf gradient in either
+            half skips the whole hybrid step (neither half changes; counted in :attr:`skipped_steps`).
 
     Raises:
         ConfigError: no trainable parameter, an unknown ``backup_optimizer``, invalid hyperparameters, a policy
@@ -308,6 +312,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.nonfinite = resolve_nonfinite("GefenMuonHybrid", nonfinite, deterministic, capturable)
         self.deterministic = deterministic
         self.capturable = capturable
+        self._skipped_steps = 0
         if capturable and backup_optimizer == "adamw":
             raise ConfigError(
                 "GefenMuonHybrid(capturable=True, backup_optimizer='adamw') is not supported: build the hybrid "
@@ -416,6 +421,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.__dict__.update(state)
         for name in _HOOK_REGISTRIES:
             self.__dict__.setdefault(name, OrderedDict())
+        self.__dict__.setdefault("_skipped_steps", 0)
 
     # ------------------------------------------------------------------ torch.optim surface
     @property  # type: ignore[override]
@@ -482,7 +488,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         if shard is None:
             loss, skip = self._preflight(closure)
         else:  # sharded (FSDP2): every rank learns of any rank's failure before a child enters a collective
-            loss, skip, failure = None, False, None
+            loss, skip, failure = None, None, None
             try:
                 loss, skip = self._preflight(closure)
             except Exception as exc:
@@ -492,16 +498,25 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             identity = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
             presence = [p.grad is not None for p in params]
             present = amp_controls_present(self)
-            skip = agree("GefenMuonHybrid", "step", shard, failure, identity, presence, (present, skip))
-        if skip:
+            overflow = skip is not None and not skip.nonfinite
+            bad = skip.names if skip is not None and skip.nonfinite else ()
+            overflow, nonfinite = agree(
+                "GefenMuonHybrid", "step", shard, failure, identity, presence, (present, overflow), bool(bad)
+            )
+            skip = StepSkip(False) if overflow else StepSkip(True, bad) if nonfinite else None
+        if skip is not None:  # nothing changes in either half
+            if skip.nonfinite:
+                self._skipped_steps += 1
+                warn_user(skip_message("GefenMuonHybrid", skip.names, self._skipped_steps))
             return loss
         for child in self._children():
             child.step()
         return loss
 
-    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
+    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, StepSkip | None]:
         """The closure, both children's gradient checks, the GradScaler decision (unscaling unless it found an
-        overflow) and the NaN/Inf policy, before either half changes. Returns ``(loss, skip)``."""
+        overflow) and the NaN/Inf policy over both halves at once, before either half changes. Returns
+        ``(loss, skip)`` (see :class:`gefen.optim._base.StepSkip`; ``None``: the step runs)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -514,21 +529,29 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 plans.append((child, _check_torch_child_grads(child)))
         controls = read_amp_controls(self, "GefenMuonHybrid")
         if controls is not None and controls.overflow:
-            return loss, True
+            return loss, StepSkip(nonfinite=False)
         if controls is not None and controls.grad_scale is not None:
             unscale_grads_([item.grad for _, items in plans for item in items], controls.grad_scale)
+        bad: list[str] = []
         for child, items in plans:  # before either half changes: NaN/Inf policy and first gradients
             if isinstance(child, Gefen):
-                child._check_finite([items])
-            elif self.nonfinite == "raise":
-                bad = first_nonfinite([(item.name, item.grad) for item in items])
-                if bad is not None:
-                    raise nonfinite_error("GefenMuonHybrid", bad, policy_name(self.deterministic))
-        return loss, False
+                bad += child._check_finite([items])
+            elif self.nonfinite != "propagate":
+                bad += unusable_names([(item.name, local(item.grad)) for item in items])  # this rank's rows
+                if bad and self.nonfinite == "raise":
+                    raise nonfinite_error("GefenMuonHybrid", bad[0], policy_name(self.deterministic))
+        return loss, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of ``step()`` calls skipped (in both halves) because a gradient held NaN/Inf
+        (``nonfinite="skip"``); saved in checkpoints."""
+        return self._skipped_steps
 
     def state_dict(self) -> dict[str, Any]:
         """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name,
-        "deterministic": bool}`` (the policy is also in each Gefen half; here it covers an AdamW-only hybrid).
+        "deterministic": bool, "skipped_steps": int}`` (the policy is also in each Gefen half; here it covers an
+        AdamW-only hybrid; the skipped steps are the hybrid's, which skips both halves at once).
 
         The hybrid's own state-dict pre-hooks run first and its post-hooks last (each child runs its own too).
         """
@@ -539,6 +562,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             "backup": None if self.backup is None else self.backup.state_dict(),
             "backup_optimizer": self.backup_optimizer,
             "deterministic": self.deterministic,
+            "skipped_steps": self._skipped_steps,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, sd)
@@ -562,7 +586,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             out = hook(self, sd)
             if out is not None:
                 sd = out
-        check_hybrid_layout(sd, self.backup_optimizer, self.deterministic)
+        skipped = check_hybrid_layout(sd, self.backup_optimizer, self.deterministic)
         for half, child in (("muon", self.muon), ("backup", self.backup)):
             if (sd[half] is None) != (child is None):
                 raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")
@@ -576,6 +600,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 child._publish_load(half_state)
             else:
                 child.__setstate__({"state": half_state.state, "param_groups": half_state.param_groups})
+        self._skipped_steps = skipped
         for child, _ in staged:
             if isinstance(child, Gefen):
                 child._run_load_post_hooks()

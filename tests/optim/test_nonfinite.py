@@ -1,0 +1,199 @@
+"""``nonfinite="skip"`` (the default): a step whose gradients hold NaN/Inf changes nothing but its counter (case 001),
+for all three optimizers; the count survives checkpoints and is shown by ``gefen inspect``."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import gefen
+from gefen import CheckpointError
+from gefen.inspect import inspect_state_dict
+
+KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+
+
+def _build(kind: str, model: torch.nn.Module, **options) -> torch.optim.Optimizer:
+    if kind == "gefen":
+        return gefen.Gefen(model.named_parameters(), lr=1e-3, **options)
+    if kind == "muon":
+        return gefen.GefenMuon([(n, p) for n, p in model.named_parameters() if p.dim() == 2], lr=1e-3, **options)
+    backup = "gefen" if kind == "hybrid_gefen" else "adamw"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the head is Linear(32, 8): no hidden matrix warnings matter here
+        return gefen.GefenMuonHybrid(model, lr=1e-3, backup_optimizer=backup, **options)
+
+
+def _grads(model: torch.nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    model.zero_grad()
+    model(torch.randn(4, 16)).square().mean().backward()
+
+
+def _without_counter(obj):
+    if isinstance(obj, dict):
+        return {k: _without_counter(v) for k, v in obj.items() if k != "skipped_steps"}
+    if isinstance(obj, list):
+        return [_without_counter(v) for v in obj]
+    return obj
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", ["0.weight", "1.bias"])
+def test_case_001_a_nan_step_changes_nothing_and_the_next_step_is_the_clean_one(kind, bad):
+    """Case 001 for every optimizer; in a hybrid ``0.weight`` is in the Muon half and ``1.bias`` in the backup."""
+    if kind == "muon" and bad == "1.bias":
+        bad = "1.weight"
+    model, clean_model = _model(), _model()
+    opt, clean = _build(kind, model), _build(kind, clean_model)
+    for step in range(2):
+        for m, o in ((model, opt), (clean_model, clean)):
+            _grads(m, step)
+            o.step()
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    _grads(model, 99)
+    dict(model.named_parameters())[bad].grad.view(-1)[3] = float("nan")
+    with pytest.warns(UserWarning, match=rf"skipped this step because the gradients of {bad} hold NaN/Inf"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+    state_after = opt.state_dict()
+    assert _equal(_without_counter(state_after), _without_counter(state_before))
+    assert opt.skipped_steps == 1 and clean.skipped_steps == 0
+    for m, o in ((model, opt), (clean_model, clean)):
+        _grads(m, 7)
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clean_model.parameters()))
+    assert _equal(_without_counter(opt.state_dict()), _without_counter(clean.state_dict()))
+    assert not any(torch.isnan(p).any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_infinite_first_gradient_skips_without_learning_anything(kind):
+    model = _model()
+    opt = _build(kind, model)
+    _grads(model, 0)
+    model[0].weight.grad[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match="skipped this step"):
+        opt.step()
+    children = opt._children() if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+    assert all(len(c.state) == 0 for c in children)
+    assert all(getattr(c, "codebook", None) is None for c in children)
+    assert opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_skipped_steps_survive_a_checkpoint_and_inspect_shows_them(kind):
+    model = _model()
+    opt = _build(kind, model)
+    for step in range(3):
+        _grads(model, step)
+        if step == 1:
+            model[1].bias.grad[0] = float("nan") if kind != "muon" else 0.0
+            model[1].weight.grad[0, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    assert opt.skipped_steps == 1
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    fresh = _build(kind, _model())
+    fresh.load_state_dict(saved)
+    assert fresh.skipped_steps == 1
+    report = inspect_state_dict(saved)
+    assert not report.all_problems
+    if kind.startswith("hybrid"):
+        assert report.skipped_steps == 1
+    else:
+        assert [h.skipped_steps for h in report.halves] == [1]
+
+
+def test_a_schema_2_checkpoint_migrates_with_no_skipped_steps():
+    model = _model()
+    opt = _build("gefen", model)
+    _grads(model, 0)
+    opt.step()
+    sd = opt.state_dict()
+    old = {k: v for k, v in sd["gefen"].items() if k != "skipped_steps"}
+    old["schema_version"] = 2
+    sd["gefen"] = old
+    for group in sd["param_groups"]:
+        group["gefen_metadata"] = old
+    fresh = _build("gefen", _model())
+    fresh._skipped_steps = 5
+    fresh.load_state_dict(sd)
+    assert fresh.skipped_steps == 0 and fresh.global_step == 1
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "2"])
+def test_a_bad_skipped_step_count_is_refused(value):
+    model = _model()
+    opt = _build("gefen", model)
+    _grads(model, 0)
+    opt.step()
+    sd = opt.state_dict()
+    sd["gefen"] = {**sd["gefen"], "skipped_steps": value}
+    for group in sd["param_groups"]:
+        group["gefen_metadata"] = sd["gefen"]
+    with pytest.raises(CheckpointError, match="skipped_steps"):
+        _build("gefen", _model()).load_state_dict(sd)
+
+
+def test_raise_and_deterministic_refuse_and_propagate_poisons():
+    for options, expect in (
+        ({"nonfinite": "raise"}, "raise"),
+        ({"deterministic": True}, "raise"),
+        ({"deterministic": True, "nonfinite": "skip"}, "skip"),
+        ({"nonfinite": "propagate"}, "nan"),
+    ):
+        model = _model()
+        opt = _build("gefen", model, **options)
+        _grads(model, 0)
+        opt.step()
+        _grads(model, 1)
+        model[1].bias.grad[0] = float("nan")
+        if expect == "raise":
+            with pytest.raises(gefen.StepError, match="1.bias has NaN/Inf"):
+                opt.step()
+        elif expect == "skip":
+            with pytest.warns(UserWarning, match="skipped"):
+                opt.step()
+            assert opt.skipped_steps == 1
+        else:
+            opt.step()
+            assert torch.isnan(model[1].bias).any() and opt.skipped_steps == 0
+
+
+def test_gradscaler_overflow_is_not_counted_as_a_skipped_step():
+    """GradScaler's own skip (fp16 gradients, the optimizer-side protocol) stays the scaler's: not counted."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).half()
+    opt = gefen.Gefen(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 16).half()).float().square().mean()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.step(opt)
+    assert opt.skipped_steps == 0 and opt.global_step == 0
