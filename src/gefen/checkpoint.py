@@ -6,8 +6,11 @@ state dict.
     {"state": {i: {<keys of gefen.state>}},
      "param_groups": [{..., "gefen_metadata": <the same dict>}, ...],
      "gefen": {"schema_version": 3, "optimizer": "Gefen", "period_search": "<variant>",
-               "codebook": fp32 (256,) tensor or None, "global_step": int, "deterministic": bool,
-               "skipped_steps": int}}
+               "codebook": fp32 (256,) tensor (absent before the first step), "global_step": int,
+               "deterministic": bool, "skipped_steps": int}}
+
+A parameter without state yet (before its first gradient) is saved as zero counters ``{"step": 0, "period": 0}``:
+``torch.distributed.checkpoint``'s full-state load can only merge 0-dim entries the live dict already has.
 
 The mirror exists because tools such as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keep
 only ``state`` and ``param_groups``: without it the codebook would be lost and the uint8 codes unreadable. The
@@ -56,6 +59,7 @@ __all__ = [
     "build_metadata",
     "attach_metadata",
     "read_metadata",
+    "is_placeholder",
     "stage_param_state",
     "HYBRID_KEYS",
     "HYBRID_BACKENDS",
@@ -370,8 +374,9 @@ def stage_param_state(
     return staged
 
 
-def _is_placeholder(saved: object) -> bool:
-    """Zero counters and nothing else: what a sharded optimizer saves for a parameter without state."""
+def is_placeholder(saved: object) -> bool:
+    """Zero counters and nothing else: what an optimizer saves for a parameter without state (see the module
+    docstring)."""
     if not isinstance(saved, Mapping) or FIRST_MOMENT_CODES in saved or not saved:
         return False
     if not set(saved) <= {STEP, PERIOD, NORMUON_STEP}:
@@ -646,7 +651,7 @@ def stage_load(
             raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
-        if _is_placeholder(saved_state):  # a sharded optimizer's stand-in for "no state yet"
+        if is_placeholder(saved_state):  # the stand-in for "no state yet"
             continue
         new_state[param] = stage_param_state(
             saved_state,

@@ -34,6 +34,7 @@ from gefen.checkpoint import (
     METADATA_KEY,
     Metadata,
     check_hybrid_layout,
+    is_placeholder,
     read_metadata,
     stage_param_state,
 )
@@ -389,6 +390,8 @@ def inspect_gefen_state_dict(state_dict: object, optimizer: str | None, label: s
     periods: Counter[int] = Counter()
     kinds: Counter[str] = Counter()
     for pid, saved in sd["state"].items():
+        if is_placeholder(saved) and pid in index:  # zero counters: the parameter has no state yet
+            continue
         report.n_params_with_state += 1
         group, name = index.get(pid, (None, "listed by no group"))
         where = f"checkpoint state[{pid}] ({name})"

@@ -88,3 +88,75 @@ def test_reshard_two_to_three_and_one_continues_the_run(kind, tmp_path):
         for r in resumed:
             assert abs(r["losses"][-1] - straight["losses"][-1]) <= 0.01 * straight["losses"][-1], (world, r["losses"])
             assert r["losses"][-1] < 0.9 * r["losses"][0]
+
+
+def _plain_model() -> torch.nn.Module:
+    """Unsharded: Linear, LayerNorm, Linear, plus a projection used only under ``no_grad`` (never a gradient)."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {
+            "body": torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 12)),
+            "frozen_use": torch.nn.Linear(12, 12, bias=False),
+        }
+    )
+
+
+def _plain_build(kind: str, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, ...]:
+    named = list(model.named_parameters())
+    if kind == "gefen":
+        return (gefen.Gefen(named, lr=1e-2, weight_decay=0.01),)
+    if kind == "muon":
+        return (gefen.GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2),)
+    hybrid = gefen.GefenMuonHybrid(named, lr=1e-2, backup_optimizer=kind.split("_")[1])
+    return _optimizers(hybrid)
+
+
+def _plain_train(model: torch.nn.Module, opts: tuple[torch.optim.Optimizer, ...], steps: range) -> None:
+    for s in steps:
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(s))
+        out = model["body"](x)
+        with torch.no_grad():
+            extra = model["frozen_use"](out)
+        (out + extra).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def _full_state_one_process_job(rank: int, world: int, kind: str) -> dict[str, object]:
+    """Case 003: a full state from the helpers, through torch.save/torch.load, into a freshly built optimizer in a
+    one-process group, with and without ``broadcast_from_rank0``; the resumed run must equal the straight one."""
+    import copy
+    import io
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _plain_model()
+    opts = _plain_build(kind, model)
+    _plain_train(model, opts, range(3))
+    osd = get_optimizer_state_dict(model, opts, options=_options())
+    buffer = io.BytesIO()
+    torch.save(osd, buffer)
+    straight_model = copy.deepcopy(model)
+    straight_opts = _plain_build(kind, straight_model)
+    for o, src in zip(straight_opts, opts):
+        o.load_state_dict(src.state_dict())
+    _plain_train(straight_model, straight_opts, range(3, 6))
+    out: dict[str, object] = {}
+    for label, broadcast in (("broadcast_from_rank0", True), ("full_state_dict", False)):
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        resumed = copy.deepcopy(model)
+        fresh = _plain_build(kind, resumed)
+        set_optimizer_state_dict(resumed, fresh, saved, options=_options(broadcast_from_rank0=broadcast))
+        _plain_train(resumed, fresh, range(3, 6))
+        out[label] = all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight_model.parameters())) and all(
+            o.global_step == s.global_step for o, s in zip(fresh, straight_opts) if isinstance(o, gefen.Gefen)
+        )
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid_gefen", "hybrid_adamw"])
+def test_full_state_into_a_fresh_optimizer_in_one_process_case_003(kind):
+    result = run_world(_full_state_one_process_job, 1, kind)[0]
+    assert result == {"broadcast_from_rank0": True, "full_state_dict": True}

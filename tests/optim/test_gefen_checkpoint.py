@@ -91,7 +91,12 @@ def test_state_dict_layout_and_metadata():
     model = _model()
     opt = gefen.Gefen(model.named_parameters(), lr=1e-3)
     sd = opt.state_dict()
-    assert sd[METADATA_KEY]["schema_version"] == SCHEMA_VERSION and sd[METADATA_KEY]["codebook"] is None
+    # before the first step: no codebook entry (DCP's full-state merge would keep a live None over a saved one) and
+    # zero counters standing in for every parameter's state (DCP can only merge 0-dim entries the live dict has)
+    assert sd[METADATA_KEY]["schema_version"] == SCHEMA_VERSION and "codebook" not in sd[METADATA_KEY]
+    zero = {"step": torch.tensor(0), "period": torch.tensor(0)}
+    assert sd["state"].keys() == set(range(len(list(model.parameters()))))
+    assert all(st == zero for st in sd["state"].values())
     _train(model, opt, 1)
     sd = opt.state_dict()
     meta = sd[METADATA_KEY]

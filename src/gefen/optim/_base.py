@@ -45,10 +45,9 @@ def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None
         optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic, optimizer.skipped_steps
     )
     meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
-    if optimizer.sharded:
-        if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
-            del meta["codebook"]
-        _add_placeholders(optimizer, state_dict)
+    if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
+        del meta["codebook"]
+    _add_placeholders(optimizer, state_dict)
     attach_metadata(state_dict, meta)
 
 
@@ -57,12 +56,13 @@ PLACEHOLDER_KEYS = ("step", "period")
 
 
 def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
-    """Give every parameter without state zero counters in a sharded optimizer's state dict.
+    """Give every parameter without state zero counters in the optimizer's state dict.
 
     ``torch.distributed.checkpoint``'s full-state ``set_optimizer_state_dict`` merges the checkpoint into the live
-    optimizer's own state dict and can only merge 0-dim entries the live dict already has; a fresh Gefen has no
-    state yet (it is created by the first real gradient), so these zero counters stand in for it. A loader reads
-    an entry of zero counters as "no state".
+    optimizer's own state dict and can only merge 0-dim entries the live dict already has (with or without
+    sharding, with or without ``broadcast_from_rank0``); a fresh Gefen has no state yet (it is created by the first
+    real gradient), so these zero counters stand in for it. A loader reads an entry of zero counters as "no
+    state" (case 003).
     """
     index = 0
     for group in optimizer.param_groups:
