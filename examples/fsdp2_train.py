@@ -30,14 +30,12 @@ import gefen
 VOCAB = 256
 
 
-def build(name: str, model: torch.nn.Module, lr: float) -> tuple[torch.optim.Optimizer, tuple]:
-    """The optimizer, and the optimizers to hand to the DCP helpers (a hybrid's two halves)."""
+def build(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer (the hybrid, like Gefen, goes to the DCP helpers as itself)."""
     if name == "gefen":
-        opt = gefen.Gefen(model.named_parameters(), lr=lr, weight_decay=0.01)
-        return opt, (opt,)
+        return gefen.Gefen(model.named_parameters(), lr=lr, weight_decay=0.01)
     if name == "muon":
-        opt = gefen.GefenMuonHybrid(model, lr=lr, backup_optimizer="gefen", sharded_mode="distributed")
-        return opt, (opt.muon, opt.backup)
+        return gefen.GefenMuonHybrid(model, lr=lr, backup_optimizer="gefen", sharded_mode="distributed")
     raise SystemExit(f"unknown --optimizer {name!r}")
 
 
@@ -63,13 +61,13 @@ def main() -> None:
     for layer in (model[1], model[3]):
         fully_shard(layer)
     fully_shard(model)
-    optimizer, parts = build(args.optimizer, model, args.lr)
+    optimizer = build(args.optimizer, model, args.lr)
     full = StateDictOptions(full_state_dict=True)
     first = 0
     if args.resume:
         ckpt = torch.load(args.resume, weights_only=True)
         set_model_state_dict(model, ckpt["model"], options=full)
-        set_optimizer_state_dict(model, parts, ckpt["optim"], options=full)
+        set_optimizer_state_dict(model, optimizer, ckpt["optim"], options=full)
         first = ckpt["step"]
         if rank == 0:
             print(f"resumed at step {first} on {world} ranks", flush=True)
@@ -85,12 +83,12 @@ def main() -> None:
     if args.save:
         offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
         msd = get_model_state_dict(model, options=offload)  # collective: every rank calls it
-        osd = get_optimizer_state_dict(model, parts, options=offload)
+        osd = get_optimizer_state_dict(model, optimizer, options=offload)
         if rank == 0:
             torch.save({"model": msd, "optim": osd, "step": first + args.steps}, args.save)
             print(f"saved {args.save}")
     dist.barrier()  # free everything that talks to the process group before destroying it
-    del optimizer, parts, model
+    del optimizer, model
     dist.destroy_process_group()
 
 

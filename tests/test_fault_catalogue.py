@@ -35,6 +35,7 @@ from torch import nn
 import gefen
 from gefen import CheckpointError, ConfigError, StepError
 from gefen.checkpoint import GROUP_METADATA_KEY, METADATA_KEY, SCHEMA_VERSION
+from gefen.checkpoint_hybrid import split_hybrid_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
 
@@ -765,7 +766,8 @@ def _edit(mutate: Callable[[dict[str, Any]], Any]):
 
 def _metas(sd: dict[str, Any]) -> list[dict[str, Any]]:
     """The top-level metadata and every group mirror (after a torch.load they are one object; dedupe by id)."""
-    found = [sd[METADATA_KEY]] + [g[GROUP_METADATA_KEY] for g in sd["param_groups"]]
+    top = [sd[METADATA_KEY]] if METADATA_KEY in sd else []  # a hybrid's halves carry the group mirrors only
+    found = top + [g[GROUP_METADATA_KEY] for g in sd["param_groups"]]
     return list({id(m): m for m in found}.values())
 
 
@@ -780,7 +782,7 @@ def _change_one_mirror(sd: dict[str, Any]) -> None:
 
 def _codebook(change: Callable[[torch.Tensor], torch.Tensor]):
     def mutate(sd: dict[str, Any]) -> None:
-        new = change(sd[METADATA_KEY]["codebook"].clone())
+        new = change(_metas(sd)[0]["codebook"].clone())
         for m in _metas(sd):
             m["codebook"] = new
 
@@ -810,14 +812,48 @@ def _entry(index: int, key: str, value: Any = None, fn: Callable[[torch.Tensor],
     return _edit(mutate)
 
 
+def _as_halves(sd: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid checkpoint (torch's layout) rewritten in the gefen 0.1 halves layout, which loads by migration."""
+    split = split_hybrid_state_dict(sd)
+    return {
+        "muon": _from_zero(split.muon),
+        "backup": _from_zero(split.backup),
+        "backup_optimizer": split.backup_optimizer,
+        "deterministic": split.deterministic,
+        "skipped_steps": split.skipped_steps,
+    }
+
+
+def _from_zero(half: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A half's state dict with its parameter indices renumbered from 0, as its child's own state_dict() has them."""
+    if half is None:
+        return None
+    pids = [pid for g in half["param_groups"] for pid in g["params"]]
+    index = {pid: i for i, pid in enumerate(pids)}
+    groups = [dict(g, params=[index[pid] for pid in g["params"]]) for g in half["param_groups"]]
+    return {"state": {index[pid]: v for pid, v in half["state"].items()}, "param_groups": groups}
+
+
 def _half(half: str, fault):
-    """Apply a native fault to one half of a hybrid checkpoint."""
+    """Apply a native fault to one half of a hybrid checkpoint (loaded through the halves layout's migration)."""
 
     def wrapped(sd: dict[str, Any], rig: Rig) -> dict[str, Any]:
-        sd[half] = fault(sd[half], rig)
-        return sd
+        halves = _as_halves(sd)
+        halves[half] = fault(halves[half], rig)
+        return halves
 
     return wrapped
+
+
+def _halves(mutate: Callable[[dict[str, Any]], Any]):
+    """A load fault that edits the halves-layout form of a hybrid checkpoint."""
+
+    def fault(sd: dict[str, Any], rig: Rig) -> dict[str, Any]:
+        halves = _as_halves(sd)
+        mutate(halves)
+        return halves
+
+    return fault
 
 
 def _neg(t: torch.Tensor) -> torch.Tensor:
@@ -958,7 +994,7 @@ _add(
     load(
         "hybrid policy tag not a bool",
         "hybrid_adamw",
-        lambda sd, rig: {**sd, "deterministic": "yes"},
+        _edit(lambda sd: sd["gefen_hybrid"].update(deterministic="yes")),
         match=r"hybrid deterministic policy must be a bool",
     ),
     load("step=True", "gefen", _entry(1, "step", True), match=r"\['step'\]=True"),
@@ -1041,22 +1077,64 @@ _add(
                 match=r"not a GefenMuonHybrid checkpoint",
             ),
             load(
-                "flat torch layout of the muon half",
+                "the muon half on its own",
                 k,
-                lambda sd, rig: sd["muon"],
+                lambda sd, rig: _as_halves(sd)["muon"],
+                match=r"not a GefenMuonHybrid checkpoint: the 'gefen_hybrid' entry is missing",
+            ),
+            load(
+                "halves layout: missing backup half (key)",
+                k,
+                _halves(lambda sd: sd.pop("backup")),
                 match=r"not a GefenMuonHybrid checkpoint",
             ),
             load(
-                "missing backup half (key)",
+                "halves layout: missing backup half (None)",
                 k,
-                _edit(lambda sd: sd.pop("backup")),
-                match=r"not a GefenMuonHybrid checkpoint",
-            ),
-            load(
-                "missing backup half (None)",
-                k,
-                _edit(lambda sd: sd.update(backup=None)),
+                _halves(lambda sd: sd.update(backup=None)),
                 match=r"backup half does not match",
+            ),
+            load(
+                "backup groups dropped",
+                k,
+                _edit(lambda sd: sd.update(param_groups=[g for g in sd["param_groups"] if g["hybrid_half"] == "muon"])),
+                match=r"backup half does not match|no param group lists",
+            ),
+            load(
+                "a group without hybrid_half",
+                k,
+                _edit(lambda sd: sd["param_groups"][0].pop("hybrid_half")),
+                match=r"param_groups\[0\]\['hybrid_half'\]=None must be",
+            ),
+            load(
+                "a Muon group after the backup groups",
+                k,
+                _edit(lambda sd: sd["param_groups"].reverse()),
+                match=r"Muon group after backup groups",
+            ),
+            load(
+                "hybrid metadata copies differ",
+                k,
+                _edit(lambda sd: sd["param_groups"][0].update(gefen_hybrid={**sd["gefen_hybrid"], "skipped_steps": 7})),
+                match=r"hybrid metadata.*copies differ",
+            ),
+            load(
+                "hybrid schema_version 2",
+                k,
+                _edit(lambda sd: sd["gefen_hybrid"].update(schema_version=2)),
+                match=r"hybrid checkpoint schema_version=2",
+            ),
+            load(
+                "hybrid skipped_steps -1",
+                k,
+                _edit(lambda sd: sd["gefen_hybrid"].update(skipped_steps=-1)),
+                match=r"hybrid skipped_steps=-1",
+            ),
+            load(
+                "a state entry no group lists",
+                k,
+                _edit(lambda sd: sd["state"].update({999: sd["state"][0]})),
+                match=r"\[999\], which no param group lists",
             ),
             load("muon half codebook with NaN", k, _half("muon", _codebook(_nan_at)), match=r"muon half.*NaN"),
             load(
@@ -1082,13 +1160,13 @@ _add(
     load(
         "backup_optimizer 'adamw' into a gefen-backed hybrid",
         "hybrid_gefen",
-        _edit(lambda sd: sd.update(backup_optimizer="adamw")),
+        _edit(lambda sd: sd["gefen_hybrid"].update(backup_optimizer="adamw")),
         match=r"backup optimizer is 'adamw'",
     ),
     load(
         "backup_optimizer 'gefen' into an adamw-backed hybrid",
         "hybrid_adamw",
-        _edit(lambda sd: sd.update(backup_optimizer="gefen")),
+        _edit(lambda sd: sd["gefen_hybrid"].update(backup_optimizer="gefen")),
         match=r"backup optimizer is 'gefen'",
     ),
     load(

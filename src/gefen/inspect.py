@@ -38,6 +38,7 @@ from gefen.checkpoint import (
     read_metadata,
     stage_param_state,
 )
+from gefen.checkpoint_hybrid import is_hybrid_state_dict, split_hybrid_state_dict
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.state import (
@@ -48,7 +49,7 @@ from gefen.state import (
     SECOND_MOMENT_COL,
     SECOND_MOMENT_ROW,
     SecondMomentKind,
-    is_factorable,
+    second_moment_kind,
     state_bytes,
     tensor_bytes,
 )
@@ -257,15 +258,12 @@ def _expected_kind(
     """The kind ``optimizer`` would give this parameter under ``group``'s saved hyperparameters (what
     ``load_state_dict`` validates against), as far as it can be told without the live shape; ``None`` for an
     optimizer kind this module does not know."""
-    if optimizer == "GefenMuon":
-        return "momentum_normuon" if group.get("normuon", False) is True else "momentum"
-    if optimizer != "Gefen":
+    if optimizer not in ("Gefen", "GefenMuon"):
         return None
-    factored_v_2d = group.get("factored_v_2d", True) is True
-    if inferred == "factored":
-        return "factored" if factored_v_2d and is_factorable(shape) else "block"
-    # a block state's real shape is unknown: with factored_v_2d it may be a 1-D or thin 2-D parameter
-    return "block"
+    if optimizer == "Gefen" and inferred != "factored":
+        # a block state's real shape is unknown: with factored_v_2d it may be a 1-D or thin 2-D parameter
+        return "block"
+    return second_moment_kind(optimizer, shape, group)
 
 
 def _group_flags(optimizer: str, group: Mapping[str, Any]) -> str:
@@ -465,10 +463,11 @@ def inspect_torch_state_dict(state_dict: object, optimizer: str, label: str) -> 
 def inspect_state_dict(state_dict: object) -> CheckpointReport:
     """Inspect a whole checkpoint: a Gefen / GefenMuon state dict or a GefenMuonHybrid one.
 
-    A dict with any of the keys ``muon``, ``backup``, ``backup_optimizer`` is treated as a hybrid checkpoint: its
-    top level must pass :func:`gefen.checkpoint.check_hybrid_layout`, the Muon half a
-    ``"GefenMuon"`` state dict and a Gefen backup a ``"Gefen"`` one (each checked by
-    :func:`inspect_gefen_state_dict`); an AdamW backup is only summarised (:func:`inspect_torch_state_dict`).
+    A hybrid checkpoint (torch's layout with ``hybrid_half`` groups, or the gefen 0.1 layout with the keys
+    ``muon``, ``backup``, ``backup_optimizer``) is taken apart by
+    :func:`gefen.checkpoint_hybrid.split_hybrid_state_dict`; the Muon half must be a ``"GefenMuon"`` state dict
+    and a Gefen backup a ``"Gefen"`` one (each checked by :func:`inspect_gefen_state_dict`); an AdamW backup is
+    only summarised (:func:`inspect_torch_state_dict`).
 
     Args:
         state_dict: what ``torch.load`` returned (never modified).
@@ -482,20 +481,31 @@ def inspect_state_dict(state_dict: object) -> CheckpointReport:
             optimizer=None,
             problems=[f"a checkpoint must be a dict (an optimizer's state_dict()), got {type(state_dict).__name__}."],
         )
-    if not HYBRID_KEYS.intersection(state_dict):
+    if not is_hybrid_state_dict(state_dict):
         kind = optimizer_kind(state_dict) if isinstance(state_dict.get("param_groups"), list) else None
         return CheckpointReport(optimizer=kind, halves=[inspect_gefen_state_dict(state_dict, kind)])
-    report = CheckpointReport(optimizer="GefenMuonHybrid", backup_optimizer=_plain(state_dict.get("backup_optimizer")))
-    try:
-        report.skipped_steps = check_hybrid_layout(state_dict)
-    except CheckpointError as exc:
-        report.problems.append(str(exc))
-        report.skipped_steps = _plain(state_dict.get("skipped_steps"))
-    backup_name = state_dict.get("backup_optimizer")
+    if HYBRID_KEYS.intersection(state_dict):  # the gefen 0.1 layout: report what each half holds, even if damaged
+        halves: Mapping[str, Any] = state_dict
+        report = CheckpointReport("GefenMuonHybrid", backup_optimizer=_plain(state_dict.get("backup_optimizer")))
+        try:
+            report.skipped_steps = check_hybrid_layout(state_dict)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+            report.skipped_steps = _plain(state_dict.get("skipped_steps"))
+    else:
+        report = CheckpointReport("GefenMuonHybrid")
+        try:
+            split = split_hybrid_state_dict(state_dict)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+            return report
+        halves = {"muon": split.muon, "backup": split.backup, "backup_optimizer": split.backup_optimizer}
+        report.backup_optimizer, report.skipped_steps = split.backup_optimizer, split.skipped_steps
+    backup_name = halves.get("backup_optimizer")
     backup_kind = _BACKUP_KINDS.get(backup_name) if isinstance(backup_name, str) else None
-    if state_dict.get("muon") is not None:
-        report.halves.append(inspect_gefen_state_dict(state_dict["muon"], "GefenMuon", "muon"))
-    backup = state_dict.get("backup")
+    if halves.get("muon") is not None:
+        report.halves.append(inspect_gefen_state_dict(halves["muon"], "GefenMuon", "muon"))
+    backup = halves.get("backup")
     if backup is not None and backup_kind == "AdamW":
         report.halves.append(inspect_torch_state_dict(backup, "AdamW", "backup"))
     elif backup is not None and backup_kind == "Gefen":

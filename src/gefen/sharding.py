@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from gefen.errors import ConfigError
+from gefen.state import FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, NORMUON_V, SECOND_MOMENT
 
 __all__ = [
     "RowShard",
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 #: State keys whose tensors are sharded by rows (DTensors with ``Shard(0)``) for a sharded parameter.
-SHARDED_KEYS = ("first_moment_codes", "first_moment_scale", "second_moment", "normuon_v")
+SHARDED_KEYS = (FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, SECOND_MOMENT, NORMUON_V)
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -169,10 +170,10 @@ def local(tensor: Tensor) -> Tensor:
 def sharded_shape(key: str, shape: tuple[int, ...], period: int, rows: int) -> tuple[int, ...]:
     """Global shape of sharded state ``key`` for a single-process shape ``shape`` (``(B, P)``, ``(B,)`` or
     ``(R,)``) of a parameter with ``rows`` rows: ``(R, k, P)``, ``(R, k)`` or ``(R,)``."""
-    if key == "normuon_v":
+    if key == NORMUON_V:
         return (rows,)
     blocks_per_row = shape[0] // rows
-    return (rows, blocks_per_row, period) if key == "first_moment_codes" else (rows, blocks_per_row)
+    return (rows, blocks_per_row, period) if key == FIRST_MOMENT_CODES else (rows, blocks_per_row)
 
 
 def as_sharded(local_tensor: Tensor, shard: RowShard, global_shape: tuple[int, ...]) -> Tensor:
@@ -261,7 +262,7 @@ def local_state(state: dict[str, Any]) -> dict[str, Any]:
     """A parameter's state with this rank's rows of every sharded tensor, in the single-process shapes
     (``(B_local, P)``, ``(B_local,)``, ``(R_local,)``) and sharing their storage; plain states are returned as
     they are."""
-    codes = state.get("first_moment_codes")
+    codes = state.get(FIRST_MOMENT_CODES)
     if codes is None or not is_dtensor(codes):
         return state
     view = dict(state)
@@ -269,7 +270,7 @@ def local_state(state: dict[str, Any]) -> dict[str, Any]:
     for key in SHARDED_KEYS:
         if key in view:
             rows = view[key].to_local()
-            view[key] = rows.view(-1, period) if key == "first_moment_codes" else rows.reshape(-1)
+            view[key] = rows.view(-1, period) if key == FIRST_MOMENT_CODES else rows.reshape(-1)
     return view
 
 

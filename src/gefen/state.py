@@ -25,8 +25,9 @@ only declares, builds and measures.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -45,6 +46,10 @@ __all__ = [
     "TensorSpec",
     "state_spec",
     "is_factorable",
+    "second_moment_kind",
+    "placeholder_state",
+    "normuon_state",
+    "drop_normuon_state",
     "init_state",
     "ParamState",
     "tensor_bytes",
@@ -131,6 +136,58 @@ def is_factorable(shape: tuple[int, ...]) -> bool:
     statistics, so they keep the block second moment.
     """
     return len(shape) == 2 and 8 * (shape[0] + shape[1]) <= shape[0] * shape[1]
+
+
+def second_moment_kind(optimizer: str, shape: tuple[int, ...], group: Mapping[str, Any]) -> SecondMomentKind:
+    """The state kind an optimizer gives a parameter: the one rule the optimizers, checkpoint validation and
+    ``gefen inspect`` read.
+
+    Args:
+        optimizer: ``"Gefen"`` or ``"GefenMuon"``.
+        shape: the parameter's shape.
+        group: its param group (``factored_v_2d`` for Gefen, default ``True``; ``normuon`` for GefenMuon, default
+            ``False``).
+
+    Returns:
+        ``"momentum_normuon"``/``"momentum"`` for GefenMuon; for Gefen ``"factored"`` when ``factored_v_2d`` and
+        :func:`is_factorable`, else ``"block"``.
+
+    Raises:
+        ValueError: an unknown ``optimizer``.
+    """
+    if optimizer == "GefenMuon":
+        return "momentum_normuon" if group.get("normuon", False) is True else "momentum"
+    if optimizer != "Gefen":
+        raise ValueError(f"unknown optimizer kind {optimizer!r}")
+    return "factored" if group.get("factored_v_2d", True) is True and is_factorable(shape) else "block"
+
+
+def placeholder_state(kind: SecondMomentKind | None = None) -> dict[str, Tensor]:
+    """Zero counters standing in for "no state yet" in a saved state dict (see :mod:`gefen.checkpoint`).
+
+    Args:
+        kind: the kind the parameter will get; ``"momentum_normuon"`` adds the NorMuon counter.
+
+    Returns:
+        ``{"step": 0, "period": 0[, "normuon_step": 0]}``, int64 0-dim CPU tensors.
+    """
+    keys = (STEP, PERIOD, NORMUON_STEP) if kind == "momentum_normuon" else (STEP, PERIOD)
+    return {key: torch.zeros((), dtype=torch.int64) for key in keys}
+
+
+def normuon_state(rows: int, device: torch.device, counter_device: torch.device | None) -> dict[str, Tensor]:
+    """The two NorMuon entries of :func:`state_spec` (kind ``"momentum_normuon"``), zero: the row statistic fp32
+    ``(rows,)`` on ``device`` and the int64 () counter on ``counter_device`` (``None``: the CPU)."""
+    return {
+        NORMUON_V: torch.zeros((rows,), dtype=torch.float32, device=device),
+        NORMUON_STEP: torch.zeros((), dtype=torch.int64, device=counter_device),
+    }
+
+
+def drop_normuon_state(state: dict[str, Any]) -> None:
+    """Remove the NorMuon entries from a GefenMuon state in place (``normuon`` turned off: kind ``"momentum"``)."""
+    state.pop(NORMUON_V, None)
+    state.pop(NORMUON_STEP, None)
 
 
 def init_state(

@@ -223,7 +223,8 @@ def test_inspect_accepts_schema_v1_fixtures(tmp_path: Path, capsys: pytest.Captu
 # ---------------------------------------------------------------------------------------------- corruptions
 def _metadata_copies(sd: dict[str, Any]) -> list[dict[str, Any]]:
     """The top-level metadata and every group mirror, each distinct dict once (torch.save may share them)."""
-    copies = [sd[METADATA_KEY]] + [g[GROUP_METADATA_KEY] for g in sd["param_groups"] if GROUP_METADATA_KEY in g]
+    top = [sd[METADATA_KEY]] if METADATA_KEY in sd else []  # a hybrid half has the group mirrors only
+    copies = top + [g[GROUP_METADATA_KEY] for g in sd["param_groups"] if GROUP_METADATA_KEY in g]
     return list({id(m): m for m in copies}.values())
 
 
@@ -259,12 +260,20 @@ def _factored_pid(sd: dict[str, Any]) -> int:
     return next(pid for pid, s in sd["state"].items() if "second_moment_row" in s)
 
 
+def _half_view(sd: dict[str, Any], half: str) -> dict[str, Any]:
+    """One half of a hybrid checkpoint (torch's layout) as its own state dict, sharing the group and state entry
+    objects (so in-place edits land in ``sd``), indices renumbered from 0 like the child's own state_dict()."""
+    groups = [g for g in sd["param_groups"] if g["hybrid_half"] == half]
+    pids = [pid for g in groups for pid in g["params"]]
+    return {"state": {i: sd["state"][pid] for i, pid in enumerate(pids) if pid in sd["state"]}, "param_groups": groups}
+
+
 def _muon_half(mutate: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-    return lambda sd: mutate(sd["muon"])
+    return lambda sd: mutate(_half_view(sd, "muon"))
 
 
 def _backup_half(mutate: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-    return lambda sd: mutate(sd["backup"])
+    return lambda sd: mutate(_half_view(sd, "backup"))
 
 
 #: (case, base checkpoint, in-place mutation of the loaded dict, text every problem message must contain)
@@ -330,12 +339,12 @@ CORRUPTIONS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "backup half codes reshaped",
         "hybrid_gefen",
         _backup_half(lambda sd: _state(sd, "first_moment_codes", lambda t: t.reshape(1, -1))),
-        "backup half: checkpoint state[0]",
+        "backup half: checkpoint state[",
     ),
     (
         "hybrid saved by another backup",
         "hybrid_adamw",
-        lambda sd: sd.update(backup_optimizer="sgd"),
+        lambda sd: sd["gefen_hybrid"].update(backup_optimizer="sgd"),
         "backup_optimizer='sgd'",
     ),
     (

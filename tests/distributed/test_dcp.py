@@ -1,5 +1,6 @@
 """Checkpoints of sharded optimizers through ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
-``set_optimizer_state_dict`` (full state, gathered to rank 0's CPU), for Gefen, GefenMuon and the hybrid.
+``set_optimizer_state_dict`` (full state, gathered to rank 0's CPU), for Gefen, GefenMuon and the hybrid (passed to
+the helpers as itself: its state dict is in torch.optim's layout).
 
 * Same world size (2 → 2): the resumed run equals the uninterrupted one bit for bit, although the fresh optimizer
   goes through the helpers' hidden zero-gradient ``step()`` (which must learn nothing).
@@ -21,8 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 BEFORE = 4
 
 
-def _optimizers(opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, ...]:
-    return (opt.muon, opt.backup) if isinstance(opt, gefen.GefenMuonHybrid) else (opt,)
+def _gefen_parts(opt: torch.optim.Optimizer) -> list[gefen.Gefen]:
+    """The Gefen optimizers inside ``opt`` (a hybrid's Gefen halves), for their global steps."""
+    parts = opt._children() if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+    return [o for o in parts if isinstance(o, gefen.Gefen)]
 
 
 def _options(**kw):
@@ -40,7 +43,7 @@ def _save_job(rank: int, world: int, kind: str, path: str, more: int) -> dict[st
     opt = build(kind, model)
     train(model, opt, range(BEFORE), learnable=True)
     msd = get_model_state_dict(model, options=_options(cpu_offload=True))
-    osd = get_optimizer_state_dict(model, _optimizers(opt), options=_options(cpu_offload=True))
+    osd = get_optimizer_state_dict(model, opt, options=_options(cpu_offload=True))
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, path)
     losses = train(model, opt, range(BEFORE, BEFORE + more), learnable=True)
@@ -57,10 +60,10 @@ def _load_job(rank: int, world: int, kind: str, path: str, more: int) -> dict[st
     ckpt = torch.load(path, weights_only=True)
     set_model_state_dict(model, ckpt["model"], options=_options())
     before = full_params(model)
-    set_optimizer_state_dict(model, _optimizers(opt), ckpt["optim"], options=_options())
+    set_optimizer_state_dict(model, opt, ckpt["optim"], options=_options())
     unchanged = all(torch.equal(before[n], v) for n, v in full_params(model).items())
     losses = train(model, opt, range(BEFORE, BEFORE + more), learnable=True)
-    steps = [o.global_step for o in _optimizers(opt) if isinstance(o, gefen.Gefen)]
+    steps = [o.global_step for o in _gefen_parts(opt)]
     return {"losses": losses, "params": full_params(model), "unchanged": unchanged, "steps": steps}
 
 
@@ -72,7 +75,7 @@ def test_same_world_resume_is_bit_exact(kind, tmp_path):
     resumed = run_world(_load_job, 2, kind, path, 3)
     for r in resumed:
         assert r["unchanged"], "loading (with the helpers' hidden step) changed the parameters"
-        assert all(s == BEFORE + 3 for s in r["steps"])
+        assert r["steps"] and all(s == BEFORE + 3 for s in r["steps"])
         assert r["losses"] == straight["losses"]
         for name, value in straight["params"].items():
             assert torch.equal(r["params"][name], value), name
@@ -107,8 +110,7 @@ def _plain_build(kind: str, model: torch.nn.Module) -> tuple[torch.optim.Optimiz
         return (gefen.Gefen(named, lr=1e-2, weight_decay=0.01),)
     if kind == "muon":
         return (gefen.GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2),)
-    hybrid = gefen.GefenMuonHybrid(named, lr=1e-2, backup_optimizer=kind.split("_")[1])
-    return _optimizers(hybrid)
+    return (gefen.GefenMuonHybrid(named, lr=1e-2, backup_optimizer=kind.split("_")[1]),)
 
 
 def _plain_train(model: torch.nn.Module, opts: tuple[torch.optim.Optimizer, ...], steps: range) -> None:
@@ -151,7 +153,9 @@ def _full_state_one_process_job(rank: int, world: int, kind: str) -> dict[str, o
         set_optimizer_state_dict(resumed, fresh, saved, options=_options(broadcast_from_rank0=broadcast))
         _plain_train(resumed, fresh, range(3, 6))
         out[label] = all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight_model.parameters())) and all(
-            o.global_step == s.global_step for o, s in zip(fresh, straight_opts) if isinstance(o, gefen.Gefen)
+            o.global_step == s.global_step
+            for a, b in zip(fresh, straight_opts)
+            for o, s in zip(_gefen_parts(a), _gefen_parts(b))
         )
     return out
 

@@ -452,7 +452,7 @@ def test_adamw_only_hybrid_records_its_policy_and_refuses_the_other():
     m(torch.tensor([[1, 2]])).sum().backward()
     opt.step()
     sd = opt.state_dict()
-    assert sd["deterministic"] is True
+    assert sd["gefen_hybrid"]["deterministic"] is True
     other = gefen.GefenMuonHybrid(model(), lr=1e-2, backup_optimizer="adamw")
     with pytest.raises(gefen.CheckpointError, match="deterministic=True"):
         other.load_state_dict(sd)

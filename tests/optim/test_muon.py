@@ -265,10 +265,42 @@ def test_hybrid_behaves_as_one_optimizer(backup: str) -> None:
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     assert opt.backup.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     assert opt.state[model.q_proj.weight] is opt.muon.state[model.q_proj.weight]
-    with pytest.raises(NotImplementedError):
-        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
     with pytest.raises(TypeError):
         opt.param_groups = []
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_hybrid_add_param_group_routes_by_the_constructor_rule_case_002(backup) -> None:
+    """Case 002: add_param_group routes a group to its half (the rule, or an explicit ``hybrid_half``); a group
+    the rule would split is refused with the fix; the new groups train and checkpoint in torch's layout."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    opt = gefen.GefenMuonHybrid(model, lr=1e-3, backup_optimizer=backup)
+    extra_matrix = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+    extra_bias = torch.nn.Parameter(torch.zeros(3))
+    head = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+    n_muon, n_backup = len(opt.muon.param_groups), len(opt.backup.param_groups)
+    with pytest.raises(ConfigError, match=r"cannot route one group to both halves.*hybrid_half"):
+        opt.add_param_group({"params": [extra_matrix, extra_bias]})
+    with pytest.raises(ConfigError, match="hybrid_half='middle' must be"):
+        opt.add_param_group({"params": [extra_bias], "hybrid_half": "middle"})
+    with pytest.raises(ConfigError, match="already in this hybrid"):
+        opt.add_param_group({"params": [model[1].weight]})
+    assert (len(opt.muon.param_groups), len(opt.backup.param_groups)) == (n_muon, n_backup)  # nothing added
+    opt.add_param_group({"params": [extra_matrix], "lr": 2e-3})  # 2-D, unnamed: Muon
+    opt.add_param_group({"params": [extra_bias]})  # 1-D: backup (case 002's call)
+    opt.add_param_group({"params": [("lm_head.weight", head)]})  # backup substring: backup
+    assert opt.muon.param_groups[-1]["params"] == [extra_matrix] and opt.muon.param_groups[-1]["lr"] == 2e-3
+    assert [g["params"] for g in opt.backup.param_groups[-2:]] == [[extra_bias], [head]]
+    x = torch.randint(0, 32, (4, 6))
+    before = [p.detach().clone() for p in (extra_matrix, extra_bias, head)]
+    (model(x).square().mean() + (model(x) @ extra_matrix @ head).square().mean() + extra_bias.square().sum()).backward()
+    extra_bias.grad = torch.ones(3)
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip((extra_matrix, extra_bias, head), before))
+    sd = opt.state_dict()
+    assert [g["hybrid_half"] for g in sd["param_groups"]] == ["muon"] * (n_muon + 1) + ["backup"] * (n_backup + 2)
+    assert sorted(sd["state"]) == list(range(sum(len(g["params"]) for g in sd["param_groups"])))
 
 
 def test_hybrid_with_gefen_backup_holds_about_one_byte_per_param() -> None:
@@ -304,12 +336,21 @@ def test_hybrid_resumes_bit_exactly_and_refuses_mismatched_checkpoints() -> None
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
     fresh = gefen.GefenMuonHybrid(copy.deepcopy(model), lr=1e-2)
+    assert {"state", "param_groups"} <= set(saved)  # torch.optim's layout
+    other = copy.deepcopy(saved)
+    other["gefen_hybrid"]["backup_optimizer"] = "adamw"  # one object with the group mirrors after a deepcopy
     with pytest.raises(CheckpointError, match="backup optimizer"):
-        fresh.load_state_dict(dict(saved, backup_optimizer="adamw"))
-    with pytest.raises(CheckpointError, match="not a GefenMuonHybrid checkpoint"):
-        fresh.load_state_dict(saved["muon"])
+        fresh.load_state_dict(other)
+    muon_only = {
+        "state": saved["state"],
+        "param_groups": [g for g in saved["param_groups"] if g["hybrid_half"] == "muon"],
+    }
+    with pytest.raises(CheckpointError, match="no param group lists"):
+        fresh.load_state_dict(muon_only)
     broken = copy.deepcopy(saved)
-    broken["backup"]["state"][0]["first_moment_scale"] = -broken["backup"]["state"][0]["first_moment_scale"] - 1
+    first_backup = next(g for g in broken["param_groups"] if g["hybrid_half"] == "backup")["params"][0]
+    entry = broken["state"][first_backup]
+    entry["first_moment_scale"] = -entry["first_moment_scale"] - 1
     with pytest.raises(CheckpointError, match="backup half"):
         fresh.load_state_dict(broken)
     assert len(fresh.state) == 0  # neither half was touched (the Muon half was valid)

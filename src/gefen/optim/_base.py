@@ -34,7 +34,7 @@ from gefen.hyperparams import check_flags, check_group
 from gefen.kernels import group_backend
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
-from gefen.state import STEP, ParamState, SecondMomentKind, state_bytes, tensor_bytes
+from gefen.state import STEP, ParamState, SecondMomentKind, placeholder_state, state_bytes, tensor_bytes
 
 __all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
@@ -51,10 +51,6 @@ def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None
     attach_metadata(state_dict, meta)
 
 
-#: Counters of a parameter without state, in a sharded optimizer's ``state_dict()`` (see below).
-PLACEHOLDER_KEYS = ("step", "period")
-
-
 def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
     """Give every parameter without state zero counters in the optimizer's state dict.
 
@@ -68,9 +64,7 @@ def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> 
     for group in optimizer.param_groups:
         for p in group["params"]:
             if STEP not in optimizer.state.get(p, ()):
-                placeholder = {key: torch.zeros((), dtype=torch.int64) for key in PLACEHOLDER_KEYS}
-                if group.get("normuon"):
-                    placeholder["normuon_step"] = torch.zeros((), dtype=torch.int64)
+                placeholder = placeholder_state(optimizer._second_moment_kind(p, group))
                 state_dict["state"].setdefault(index, placeholder)
             index += 1
 

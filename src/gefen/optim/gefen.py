@@ -68,7 +68,7 @@ from gefen.state import (
     ParamState,
     SecondMomentKind,
     init_state,
-    is_factorable,
+    second_moment_kind,
 )
 
 __all__ = ["Gefen"]
@@ -304,7 +304,7 @@ class Gefen(GefenOptimizer):
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         if is_dtensor(param):  # a row/column statistic would need the other ranks' rows: block-shared instead
             return "block"
-        return "factored" if group.get("factored_v_2d", True) and is_factorable(tuple(param.shape)) else "block"
+        return second_moment_kind(self.kind, tuple(param.shape), group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

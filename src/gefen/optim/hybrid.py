@@ -29,7 +29,7 @@ from gefen.amp import (
     unusable_names,
     wants_native_amp,
 )
-from gefen.checkpoint import check_hybrid_layout
+from gefen.checkpoint_hybrid import HYBRID_HALF_KEY, build_hybrid_state_dict, split_hybrid_state_dict
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, check_lr, check_weight_decay
@@ -347,6 +347,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.backup_optimizer = backup_optimizer
+        self._backup_substrings = tuple(s.lower() for s in backup_substrings)
         wd = weight_decay
         policies: dict[str, Any] = {
             "backend": resolve_backend_option("GefenMuonHybrid", backend, fused, ConfigError),
@@ -443,11 +444,59 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         raise TypeError("GefenMuonHybrid.state cannot be assigned; load a state_dict instead.")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: add the group to ``hybrid.muon`` or ``hybrid.backup`` directly."""
-        raise NotImplementedError(
-            "GefenMuonHybrid.add_param_group: add the group to hybrid.muon or hybrid.backup (2-D hidden weights "
-            "to the Muon child, everything else to the backup)."
-        )
+        """Add a param group to the half that owns it (``torch.optim`` semantics; validated by that half).
+
+        The half is the group's ``"hybrid_half"`` entry (``"muon"`` or ``"backup"``) when given, else the
+        constructor's rule (algorithm.md §8.1) applied to each parameter: 2-D and no backup substring in its name
+        (from ``(name, tensor)`` pairs or ``param_names``; a bare tensor has no name) goes to Muon, the rest to the
+        backup. The new group is then the last group of its half in :attr:`param_groups`.
+
+        Raises:
+            TypeError: ``param_group`` is not a dict, or holds something that is not a tensor.
+            ConfigError: the rule sends the group's parameters to different halves (split the group or pass
+                ``hybrid_half``), an unknown ``hybrid_half``, a half this hybrid was built without, a parameter
+                already in the hybrid, or whatever the half refuses (invalid hyperparameters, a non-2-D
+                parameter for Muon, ...).
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"GefenMuonHybrid param_group must be a dict, got {type(param_group).__name__}.")
+        group = dict(param_group)
+        half = group.pop(HYBRID_HALF_KEY, None)
+        raw = group.get("params", [])
+        items = [raw] if isinstance(raw, Tensor) else list(raw)
+        names = group.get("param_names")
+        named = []
+        for i, item in enumerate(items):
+            name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"GefenMuonHybrid param_group['params'][{i}] is a {type(tensor).__name__}.")
+            named.append((name if name is not None else (names[i] if names else ""), tensor))
+        owned = {id(p) for g in self.param_groups for p in g["params"]}
+        taken = [name or f"params[{i}]" for i, (name, p) in enumerate(named) if id(p) in owned]
+        if taken:
+            raise ConfigError(f"GefenMuonHybrid.add_param_group: {taken[0]} is already in this hybrid.")
+        if half is None:
+            routes = [(n, "muon" if _is_muon(n, p, set(), self._backup_substrings) else "backup") for n, p in named]
+            if len({h for _, h in routes}) > 1:
+                listed = ", ".join(f"{n or f'params[{i}]'} -> {h}" for i, (n, h) in enumerate(routes[:6]))
+                raise ConfigError(
+                    f"GefenMuonHybrid.add_param_group cannot route one group to both halves ({listed}); split it "
+                    "into one group per half, or pass 'hybrid_half': 'muon' or 'backup'."
+                )
+            half = routes[0][1] if routes else "backup"
+        if half not in ("muon", "backup"):
+            raise ConfigError(f"GefenMuonHybrid.add_param_group: hybrid_half={half!r} must be 'muon' or 'backup'.")
+        child = self.muon if half == "muon" else self.backup
+        if child is None:
+            raise ConfigError(
+                f"GefenMuonHybrid.add_param_group: this hybrid has no {half} half (nothing went there at "
+                "construction), so it cannot take the group; build the hybrid with all the parameters it will train."
+            )
+        # the halves hold named parameters (torch requires all groups named or none): name the unnamed ones
+        index = len(self.param_groups)
+        group["params"] = [(n or f"param_groups[{index}][{i}]", p) for i, (n, p) in enumerate(named)]
+        group.pop("param_names", None)
+        child.add_param_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forward to both children."""
@@ -549,21 +598,24 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return self._skipped_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"muon": state_dict or None, "backup": state_dict or None, "backup_optimizer": name,
-        "deterministic": bool, "skipped_steps": int}`` (the policy is also in each Gefen half; here it covers an
-        AdamW-only hybrid; the skipped steps are the hybrid's, which skips both halves at once).
+        """torch.optim's layout over both halves (see :mod:`gefen.checkpoint_hybrid`): ``state`` keyed by position
+        in :attr:`param_groups` order (the Muon groups, then the backup's), every saved group naming its half
+        (``hybrid_half``) and carrying its half's metadata, and the hybrid's own ``gefen_hybrid`` entry
+        (backup optimizer, ``deterministic``, ``skipped_steps``). The DCP helpers take the hybrid itself.
 
         The hybrid's own state-dict pre-hooks run first and its post-hooks last (each child runs its own too).
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        sd = {
-            "muon": None if self.muon is None else self.muon.state_dict(),
-            "backup": None if self.backup is None else self.backup.state_dict(),
-            "backup_optimizer": self.backup_optimizer,
-            "deterministic": self.deterministic,
-            "skipped_steps": self._skipped_steps,
-        }
+        sd = build_hybrid_state_dict(
+            {
+                "muon": None if self.muon is None else self.muon.state_dict(),
+                "backup": None if self.backup is None else self.backup.state_dict(),
+            },
+            self.backup_optimizer,
+            self.deterministic,
+            self._skipped_steps,
+        )
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, sd)
             if out is not None:
@@ -577,6 +629,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         The hybrid's load pre-hooks run once on a shallow copy; a refused load changes neither half and runs no
         post-hook; a post-hook that raises finds both halves already at the new state (never half a hybrid).
 
+        Accepts torch's layout (:meth:`state_dict`) and the gefen 0.1 layout ``{"muon", "backup",
+        "backup_optimizer"}``, which migrates (see :func:`gefen.checkpoint_hybrid.split_hybrid_state_dict`).
+
         Raises:
             CheckpointError: not a hybrid checkpoint, another backup backend, a half present in one and missing in
                 the other, or a half that fails its own validation.
@@ -586,15 +641,17 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             out = hook(self, sd)
             if out is not None:
                 sd = out
-        skipped = check_hybrid_layout(sd, self.backup_optimizer, self.deterministic)
+        split = split_hybrid_state_dict(sd, self.backup_optimizer, self.deterministic)
+        halves = {"muon": split.muon, "backup": split.backup}
         for half, child in (("muon", self.muon), ("backup", self.backup)):
-            if (sd[half] is None) != (child is None):
+            if (halves[half] is None) != (child is None):
                 raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")
         staged = [
-            (child, _stage_half(child, sd[half], half))
+            (child, _stage_half(child, halves[half], half))
             for half, child in (("muon", self.muon), ("backup", self.backup))
             if child is not None
         ]
+        skipped = split.skipped_steps
         for child, half_state in staged:  # commit: plain assignments
             if isinstance(child, Gefen):
                 child._publish_load(half_state)

@@ -20,7 +20,15 @@ from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schu
 from gefen.optim._base import WorkItem
 from gefen.optim.gefen import Gefen
 from gefen.sharding import all_reduce_, as_sharded, gather_rows, gather_rows_to, local_state, scatter_rows_from
-from gefen.state import NORMUON_STEP, NORMUON_V, ParamState, SecondMomentKind
+from gefen.state import (
+    NORMUON_STEP,
+    NORMUON_V,
+    ParamState,
+    SecondMomentKind,
+    drop_normuon_state,
+    normuon_state,
+    second_moment_kind,
+)
 
 __all__ = ["GefenMuon", "SHARDED_MODES"]
 
@@ -163,7 +171,7 @@ class GefenMuon(Gefen):
                 )
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
-        return "momentum_normuon" if group.get("normuon", False) else "momentum"
+        return second_moment_kind(self.kind, tuple(param.shape), group)
 
     def _ema_weight(self, group: Mapping[str, Any]) -> float:
         return 1.0 - as_float(group["momentum"])
@@ -356,10 +364,10 @@ class GefenMuon(Gefen):
         target = item.target
         if group["normuon"]:
             if NORMUON_V not in state:  # turned on after the state was created
-                fresh = torch.zeros(target.shape[0], dtype=torch.float32, device=target.device)
-                state[NORMUON_V] = fresh if item.shard is None else as_sharded(fresh, item.shard, (rows,))
-                counter_device = target.device if self.capturable else None
-                state[NORMUON_STEP] = torch.zeros((), dtype=torch.int64, device=counter_device)
+                fresh = normuon_state(target.shape[0], target.device, target.device if self.capturable else None)
+                if item.shard is not None:
+                    fresh[NORMUON_V] = as_sharded(fresh[NORMUON_V], item.shard, (rows,))
+                state.update(fresh)
             state[NORMUON_STEP].add_(1)
             reduce = None
             if item.shard is not None and group.get("sharded_mode", "exact") != "approx":
@@ -377,8 +385,7 @@ class GefenMuon(Gefen):
                 reduce=reduce,
             )
         else:
-            state.pop(NORMUON_V, None)
-            state.pop(NORMUON_STEP, None)
+            drop_normuon_state(state)
         ratio = adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
         if self.capturable:  # lr read on the device
             lr, device = group["lr"], target.device

@@ -1,0 +1,252 @@
+"""Checkpoint layout of :class:`gefen.GefenMuonHybrid`: one ``torch.optim`` state dict over both halves.
+
+``GefenMuonHybrid.state_dict()`` is torch's layout, so tools written for ``torch.optim`` (the DCP helpers
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, FSDP's converters, anything that reads
+``sd["state"]`` and ``sd["param_groups"]``) take the hybrid itself::
+
+    {"state": {i: <the owning half's per-parameter state>},          # i: position in param_groups order
+     "param_groups": [<Muon groups>..., <backup groups>...],          # each with "hybrid_half": "muon"|"backup",
+                                                                      # the half's own "gefen_metadata" mirror
+                                                                      # (Gefen halves) and "gefen_hybrid"
+     "gefen_hybrid": {"schema_version": 1, "optimizer": "GefenMuonHybrid", "backup_optimizer": "gefen"|"adamw",
+                      "deterministic": bool, "skipped_steps": int}}
+
+The ``gefen_hybrid`` entry is mirrored into every group (the DCP helpers keep only ``state`` and
+``param_groups``). Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
+its metadata mirror) and validated by that child. The older "halves" layout (``{"muon": ..., "backup": ...,
+"backup_optimizer": ...}``, gefen 0.1) migrates explicitly in :func:`split_hybrid_state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gefen.checkpoint import HYBRID_BACKENDS, HYBRID_KEYS, _int_counter, _same_metadata, check_hybrid_layout
+from gefen.errors import CheckpointError
+
+__all__ = [
+    "HYBRID_HALF_KEY",
+    "HYBRID_METADATA_KEY",
+    "HYBRID_SCHEMA_VERSION",
+    "HybridHalves",
+    "build_hybrid_state_dict",
+    "is_hybrid_state_dict",
+    "split_hybrid_state_dict",
+]
+
+#: Key of every saved group naming the half that owns it.
+HYBRID_HALF_KEY = "hybrid_half"
+#: Top-level key (and group mirror) of the hybrid's own metadata.
+HYBRID_METADATA_KEY = "gefen_hybrid"
+#: Version of the layout above.
+HYBRID_SCHEMA_VERSION = 1
+_HALVES = ("muon", "backup")
+
+
+@dataclass(frozen=True)
+class HybridHalves:
+    """A hybrid checkpoint taken apart (validated layout; the halves are validated by their children).
+
+    Attributes:
+        muon, backup: each half's own state dict (``None`` for a half the checkpoint does not have).
+        backup_optimizer: ``"gefen"`` or ``"adamw"``.
+        deterministic: the saved policy, ``None`` when the checkpoint predates the tag.
+        skipped_steps: steps the hybrid skipped for NaN/Inf gradients (``>= 0``).
+        layout: ``"torch"`` or ``"halves"`` (the gefen 0.1 layout, migrated).
+    """
+
+    muon: dict[str, Any] | None
+    backup: dict[str, Any] | None
+    backup_optimizer: str
+    deterministic: bool | None
+    skipped_steps: int
+    layout: str
+
+
+def build_hybrid_state_dict(
+    halves: Mapping[str, dict[str, Any] | None], backup_optimizer: str, deterministic: bool, skipped_steps: int
+) -> dict[str, Any]:
+    """Merge the children's state dicts into the hybrid's torch-layout state dict.
+
+    Args:
+        halves: ``{"muon": sd or None, "backup": sd or None}``, each a child's ``state_dict()`` (int parameter
+            indices from 0, as torch packs them).
+        backup_optimizer, deterministic, skipped_steps: the hybrid's settings and counter.
+
+    Returns:
+        The dict above; the children's tensors are shared, not copied (as ``torch.optim`` does).
+    """
+    meta = {
+        "schema_version": HYBRID_SCHEMA_VERSION,
+        "optimizer": "GefenMuonHybrid",
+        "backup_optimizer": backup_optimizer,
+        "deterministic": bool(deterministic),
+        "skipped_steps": int(skipped_steps),
+    }
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    offset = 0
+    for half in _HALVES:
+        sd = halves.get(half)
+        if sd is None:
+            continue
+        count = 0
+        for group in sd["param_groups"]:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [offset + i for i in group["params"]]
+            packed[HYBRID_HALF_KEY] = half
+            packed[HYBRID_METADATA_KEY] = meta
+            groups.append(packed)
+            count += len(group["params"])
+        state.update({offset + i: value for i, value in sd["state"].items()})
+        offset += count
+    return {"state": state, "param_groups": groups, HYBRID_METADATA_KEY: meta}
+
+
+def is_hybrid_state_dict(state_dict: object) -> bool:
+    """Whether a dict looks like a hybrid checkpoint of either layout (for messages and ``gefen inspect``)."""
+    if not isinstance(state_dict, Mapping):
+        return False
+    if HYBRID_KEYS.intersection(state_dict) or HYBRID_METADATA_KEY in state_dict:
+        return True
+    groups = state_dict.get("param_groups")
+    return isinstance(groups, list) and any(isinstance(g, Mapping) and HYBRID_HALF_KEY in g for g in groups)
+
+
+def split_hybrid_state_dict(
+    state_dict: object, backend: str | None = None, deterministic: bool | None = None
+) -> HybridHalves:
+    """Take a hybrid checkpoint apart into its halves' own state dicts (never modifies the caller's dict).
+
+    Args:
+        state_dict: the untrusted dict, in torch's layout or the older halves layout.
+        backend: the live hybrid's ``backup_optimizer`` (``None``: not compared, e.g. offline inspection).
+        deterministic: the live hybrid's policy (``None``: not compared).
+
+    Returns:
+        :class:`HybridHalves`.
+
+    Raises:
+        CheckpointError: not a hybrid checkpoint; a group without (or with an unknown) ``hybrid_half``; backup
+            groups before Muon groups; metadata missing, of another schema, or differing between copies; another
+            backup optimizer or policy; a bad skipped-step count; a state entry no group lists.
+    """
+    if isinstance(state_dict, Mapping) and HYBRID_KEYS <= set(state_dict):  # gefen 0.1: migrate
+        skipped = check_hybrid_layout(state_dict, backend, deterministic)
+        policy = state_dict.get("deterministic")
+        return HybridHalves(
+            _copy(state_dict["muon"]),
+            _copy(state_dict["backup"]),
+            state_dict["backup_optimizer"],
+            policy if isinstance(policy, bool) else None,
+            skipped,
+            "halves",
+        )
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("param_groups"), list):
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise CheckpointError(
+            f"not a GefenMuonHybrid checkpoint (keys {keys}); expected torch's layout ('state', 'param_groups') "
+            "with each group's 'hybrid_half', as GefenMuonHybrid.state_dict() returns."
+        )
+    state = state_dict.get("state")
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"hybrid checkpoint 'state' must be a dict, got {type(state).__name__}.")
+    meta = _hybrid_metadata(state_dict)
+    halves: dict[str, dict[str, Any]] = {}
+    listed: set[Any] = set()
+    for g, group in enumerate(state_dict["param_groups"]):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
+            raise CheckpointError(f"hybrid checkpoint param_groups[{g}] must be a dict with a 'params' list.")
+        half = group.get(HYBRID_HALF_KEY)
+        if half not in _HALVES:
+            raise CheckpointError(
+                f"hybrid checkpoint param_groups[{g}]['{HYBRID_HALF_KEY}']={half!r} must be 'muon' or 'backup'; "
+                "the checkpoint was not saved by GefenMuonHybrid.state_dict() or was edited."
+            )
+        if half == "muon" and "backup" in halves:
+            raise CheckpointError(
+                f"hybrid checkpoint param_groups[{g}] is a Muon group after backup groups; the Muon groups come "
+                "first (the checkpoint was edited)."
+            )
+        own = {k: v for k, v in group.items() if k not in (HYBRID_HALF_KEY, HYBRID_METADATA_KEY)}
+        target = halves.setdefault(half, {"state": {}, "param_groups": []})
+        target["param_groups"].append(own)
+        for pid in group["params"]:
+            if not isinstance(pid, (int, str)) or isinstance(pid, bool):
+                raise CheckpointError(
+                    f"hybrid checkpoint param_groups[{g}]['params'] holds {pid!r:.60}; parameter ids are ints "
+                    "(or parameter names, from the DCP helpers)."
+                )
+            if pid in listed:
+                raise CheckpointError(f"hybrid checkpoint lists parameter {pid!r} twice in its param groups.")
+            listed.add(pid)
+            if pid in state:
+                target["state"][pid] = state[pid]
+    extra = [pid for pid in state if pid not in listed]
+    if extra:
+        raise CheckpointError(f"hybrid checkpoint state has entries for {extra[:5]!r}, which no param group lists.")
+    tag = meta["backup_optimizer"]
+    if backend is not None and tag != backend:
+        raise CheckpointError(
+            f"checkpoint's backup optimizer is {tag!r}, this hybrid's {backend!r}; build the hybrid with "
+            f"backup_optimizer={tag!r}."
+        )
+    if not halves:
+        raise CheckpointError("the hybrid checkpoint has no param group in either half.")
+    check_hybrid_layout(
+        {
+            "muon": halves.get("muon"),
+            "backup": halves.get("backup"),
+            "backup_optimizer": tag,
+            "deterministic": meta["deterministic"],
+            "skipped_steps": meta["skipped_steps"],
+        },
+        backend,
+        deterministic,
+    )
+    return HybridHalves(
+        halves.get("muon"), halves.get("backup"), tag, meta["deterministic"], meta["skipped_steps"], "torch"
+    )
+
+
+def _copy(half: Any) -> Any:
+    """A shallow copy of a half's top level (the children never mutate what they are given)."""
+    return dict(half) if isinstance(half, Mapping) else half
+
+
+def _hybrid_metadata(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The hybrid metadata: the top-level entry and/or the group mirrors, which must agree; validated."""
+    top = state_dict.get(HYBRID_METADATA_KEY)
+    mirrors = [g.get(HYBRID_METADATA_KEY) for g in state_dict["param_groups"] if isinstance(g, Mapping)]
+    present = [m for m in mirrors if m is not None]
+    candidates = ([top] if top is not None else []) + present
+    if not candidates:
+        raise CheckpointError(
+            f"not a GefenMuonHybrid checkpoint: the '{HYBRID_METADATA_KEY}' entry is missing at the top level and "
+            "in the param groups; load the dict returned by GefenMuonHybrid.state_dict()."
+        )
+    first = candidates[0]
+    if not all(isinstance(m, Mapping) for m in candidates) or not all(_same_metadata(m, first) for m in candidates):
+        raise CheckpointError(
+            f"inconsistent hybrid metadata: the '{HYBRID_METADATA_KEY}' copies differ; the checkpoint was edited."
+        )
+    version = first.get("schema_version")
+    if version != HYBRID_SCHEMA_VERSION:
+        raise CheckpointError(
+            f"hybrid checkpoint schema_version={version!r} is not {HYBRID_SCHEMA_VERSION} (a newer gefen wrote it, "
+            "or it was edited); upgrade gefen to load it."
+        )
+    if first.get("optimizer") != "GefenMuonHybrid":
+        raise CheckpointError(f"hybrid checkpoint optimizer={first.get('optimizer')!r} is not 'GefenMuonHybrid'.")
+    tag = first.get("backup_optimizer")
+    if tag not in HYBRID_BACKENDS:
+        raise CheckpointError(f"hybrid backup_optimizer={tag!r} must be one of {list(HYBRID_BACKENDS)}.")
+    policy = first.get("deterministic")
+    if not isinstance(policy, bool):
+        raise CheckpointError(f"hybrid deterministic policy must be a bool, got {policy!r}; the checkpoint was edited.")
+    skipped = _int_counter(first.get("skipped_steps"), "hybrid skipped_steps")
+    if skipped < 0:
+        raise CheckpointError(f"hybrid skipped_steps={skipped} must be >= 0.")
+    return {"backup_optimizer": tag, "deterministic": policy, "skipped_steps": skipped}
