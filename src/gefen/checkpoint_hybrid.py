@@ -23,8 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from gefen.checkpoint import HYBRID_BACKENDS, HYBRID_KEYS, _int_counter, _same_metadata, check_hybrid_layout
 from gefen.errors import CheckpointError
+from gefen.hyperparams import check_group
 
 __all__ = [
     "HYBRID_HALF_KEY",
@@ -32,6 +36,7 @@ __all__ = [
     "HYBRID_SCHEMA_VERSION",
     "HybridHalves",
     "build_hybrid_state_dict",
+    "check_adamw_state",
     "is_hybrid_state_dict",
     "split_hybrid_state_dict",
 ]
@@ -250,3 +255,35 @@ def _hybrid_metadata(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     if skipped < 0:
         raise CheckpointError(f"hybrid skipped_steps={skipped} must be >= 0.")
     return {"backup_optimizer": tag, "deterministic": policy, "skipped_steps": skipped}
+
+
+def check_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Check the AdamW backup half of a hybrid checkpoint once torch loaded it into a throw-away twin optimizer
+    (torch checks only counts): every entry has ``step``; moment tensors have the parameter's shape, are finite,
+    and second moments are ``>= 0``.
+
+    Raises:
+        CheckpointError: the first problem found.
+    """
+    for g, group in enumerate(optimizer.param_groups):
+        check_group(group, f"param_groups[{g}]", CheckpointError)
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            name = names[i] if names else f"param_groups[{g}][{i}]"
+            if "step" not in st:
+                raise CheckpointError(f"state of {name} has no 'step'.")
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                value = st.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, Tensor) or value.shape != p.shape:
+                    shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise CheckpointError(
+                        f"state of {name}: '{key}' has shape {shape}, the parameter {tuple(p.shape)}."
+                    )
+                bad = ~torch.isfinite(value) if key == "exp_avg" else ~(torch.isfinite(value) & (value >= 0))
+                if bool(bad.any()):
+                    raise CheckpointError(f"state of {name}: '{key}' has negative or non-finite values.")

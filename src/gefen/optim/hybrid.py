@@ -29,7 +29,12 @@ from gefen.amp import (
     unusable_names,
     wants_native_amp,
 )
-from gefen.checkpoint_hybrid import HYBRID_HALF_KEY, build_hybrid_state_dict, split_hybrid_state_dict
+from gefen.checkpoint_hybrid import (
+    HYBRID_HALF_KEY,
+    build_hybrid_state_dict,
+    check_adamw_state,
+    split_hybrid_state_dict,
+)
 from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, check_lr, check_weight_decay
@@ -204,10 +209,10 @@ class _StateView(MutableMapping):  # type: ignore[type-arg]
         self._owner = owner
 
     def _child(self, key: Any) -> torch.optim.Optimizer:
-        for child in self._owner._children():
-            if any(key is p for g in child.param_groups for p in g["params"]):
-                return child
-        raise KeyError(f"{type(key).__name__} is not a parameter of this GefenMuonHybrid")
+        child = self._owner._owner_of(key)
+        if child is None:
+            raise KeyError(f"{type(key).__name__} is not a parameter of this GefenMuonHybrid")
+        return child
 
     def __getitem__(self, key: Any) -> Any:
         return self._child(key).state[key]
@@ -410,13 +415,24 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def _children(self) -> list[torch.optim.Optimizer]:
         return [c for c in (self.muon, self.backup) if c is not None]
 
+    def _owner_of(self, param: Any) -> torch.optim.Optimizer | None:
+        """The half holding ``param`` (``None``: neither), from a table keyed by tensor identity that is rebuilt
+        when a lookup misses (after ``add_param_group`` or an edit of a group's ``params`` list)."""
+        entry = self.__dict__.get("_owners", {}).get(id(param))
+        if entry is None or entry[1] is not param:
+            table = {id(p): (c, p) for c in self._children() for g in c.param_groups for p in g["params"]}
+            self._owners = table
+            entry = table.get(id(param))
+        return None if entry is None else entry[0]
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: the two children (each pickles its own state and codebook) and settings.
 
         Like ``torch.optim.Optimizer``, hooks and an LR scheduler's instance-level ``step`` wrapper are not
         pickled (they hold closures); the copy starts without them.
         """
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k != "step"}
+        skip = ("step", "_owners")  # a scheduler's wrapper; the identity table (rebuilt on use)
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -718,40 +734,9 @@ def _stage_half(child: torch.optim.Optimizer, half: Any, name: str) -> Any:
             return child._stage_load(half)
         twin = type(child)([dict(g, params=list(g["params"])) for g in child.param_groups])
         twin.load_state_dict(copy.deepcopy(half))
-        _check_torch_state(twin)
+        check_adamw_state(twin)
         return twin
     except CheckpointError as exc:
         raise CheckpointError(f"{name} half: {exc}") from exc
     except Exception as exc:
         raise CheckpointError(f"{name} half does not fit: {type(exc).__name__}: {exc}") from exc
-
-
-def _check_torch_state(optimizer: torch.optim.Optimizer) -> None:
-    """Check a loaded AdamW state against its parameters (torch checks only counts): every entry has ``step``;
-    moment tensors have the parameter's shape, are finite, and second moments are ``>= 0``.
-
-    Raises:
-        CheckpointError: the first problem found.
-    """
-    for g, group in enumerate(optimizer.param_groups):
-        check_group(group, f"param_groups[{g}]", CheckpointError)
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            st = optimizer.state.get(p)
-            if not st:
-                continue
-            name = names[i] if names else f"param_groups[{g}][{i}]"
-            if "step" not in st:
-                raise CheckpointError(f"state of {name} has no 'step'.")
-            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                value = st.get(key)
-                if value is None:
-                    continue
-                if not isinstance(value, Tensor) or value.shape != p.shape:
-                    shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                    raise CheckpointError(
-                        f"state of {name}: '{key}' has shape {shape}, the parameter {tuple(p.shape)}."
-                    )
-                bad = ~torch.isfinite(value) if key == "exp_avg" else ~(torch.isfinite(value) & (value >= 0))
-                if bool(bad.any()):
-                    raise CheckpointError(f"state of {name}: '{key}' has negative or non-finite values.")
