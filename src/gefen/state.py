@@ -50,6 +50,7 @@ __all__ = [
     "placeholder_state",
     "normuon_state",
     "drop_normuon_state",
+    "state_mismatch",
     "init_state",
     "ParamState",
     "tensor_bytes",
@@ -188,6 +189,35 @@ def drop_normuon_state(state: dict[str, Any]) -> None:
     """Remove the NorMuon entries from a GefenMuon state in place (``normuon`` turned off: kind ``"momentum"``)."""
     state.pop(NORMUON_V, None)
     state.pop(NORMUON_STEP, None)
+
+
+def state_mismatch(state: Mapping[str, Any], shape: tuple[int, ...], device: torch.device) -> str | None:
+    """Why a live state no longer fits its parameter (resized or moved after the state was created), or ``None``.
+
+    Args:
+        state: the parameter's state (this rank's rows of a sharded one, in single-process shapes); a state without
+            ``first_moment_codes`` (none yet) always fits.
+        shape: the parameter's shape (this rank's rows of a sharded one).
+        device: the parameter's device.
+
+    Returns:
+        A short reason naming the state key, or ``None``.
+    """
+    codes = state.get(FIRST_MOMENT_CODES)
+    if not isinstance(codes, Tensor):
+        return None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if codes.numel() != numel:
+        return f"its {FIRST_MOMENT_CODES} {tuple(codes.shape)} cover {codes.numel()} elements, the parameter {numel}"
+    for key, dim in ((SECOND_MOMENT_ROW, 0), (SECOND_MOMENT_COL, 1), (NORMUON_V, 0)):
+        value = state.get(key)
+        if isinstance(value, Tensor) and (len(shape) != 2 or value.shape[0] != shape[dim]):
+            return f"its {key} has {value.shape[0]} entries for a parameter of shape {tuple(shape)}"
+    if codes.device != device:
+        return f"its state is on {codes.device}, the parameter on {device}"
+    return None
 
 
 def init_state(

@@ -34,7 +34,15 @@ from gefen.hyperparams import check_flags, check_group
 from gefen.kernels import group_backend
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
-from gefen.state import STEP, ParamState, SecondMomentKind, placeholder_state, state_bytes, tensor_bytes
+from gefen.state import (
+    STEP,
+    ParamState,
+    SecondMomentKind,
+    placeholder_state,
+    state_bytes,
+    state_mismatch,
+    tensor_bytes,
+)
 
 __all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
@@ -359,7 +367,16 @@ class GefenOptimizer(torch.optim.Optimizer):
                 raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
             if grad.device != p.device:
                 raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
-            plan[g].append(WorkItem(self.param_groups[g]["params"][_i], grad, name, shard))
+            param = self.param_groups[g]["params"][_i]
+            problem = state_mismatch(local_state(self.state.get(param, {})), tuple(p.shape), p.device)
+            if problem is not None:
+                raise StepError(
+                    f"{self.kind}: the state of {name} no longer fits the parameter ({problem}); nothing was "
+                    "changed. The parameter was resized or moved after its state was created (layer expansion, "
+                    "model surgery, .to() after building the optimizer): rebuild the optimizer, or drop that "
+                    "parameter's state (del opt.state[param]) so it starts afresh."
+                )
+            plan[g].append(WorkItem(param, grad, name, shard))
         return plan
 
     def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], StepSkip | None]:
