@@ -14,7 +14,9 @@ reveals its element count), that the group and parameter counts and names match 
 Layouts understood (see :mod:`gefen.checkpoint` and :class:`gefen.GefenMuonHybrid`)::
 
     Gefen / GefenMuon:  {"state": {...}, "param_groups": [...], "gefen": {...}}   (or the group mirrors only)
-    GefenMuonHybrid:    {"muon": <GefenMuon dict or None>, "backup": <Gefen or torch AdamW dict or None>,
+    GefenMuonHybrid:    {"state": {...}, "param_groups": [... each with "hybrid_half" ...], "gefen_hybrid": {...}}
+                        (see :mod:`gefen.checkpoint_hybrid`), or the gefen 0.1 layout
+                        {"muon": <GefenMuon dict or None>, "backup": <Gefen or torch AdamW dict or None>,
                          "backup_optimizer": "gefen" | "adamw"}
 """
 

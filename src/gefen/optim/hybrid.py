@@ -252,8 +252,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     the backup's (LR schedulers work; the hybrid's ``lr`` is the Muon lr, ``backup_lr`` the backup's);
     ``state`` routes to the owning child; ``step(closure)`` runs the closure once, validates both children's
     gradients, then steps the Muon child first and the backup second; ``zero_grad`` forwards;
-    ``state_dict()`` is ``{"muon": ..., "backup": ..., "backup_optimizer": "gefen"|"adamw"}`` and
-    ``load_state_dict`` validates both halves before either changes.
+    ``state_dict()`` is torch.optim's layout over both halves (:mod:`gefen.checkpoint_hybrid`: ``state`` by
+    position, groups naming their ``hybrid_half``, a ``gefen_hybrid`` entry), so tools written for torch.optim
+    (the DCP helpers) take the hybrid itself, and ``load_state_dict`` validates both halves before either
+    changes; ``add_param_group`` routes a group to its half.
 
     Args:
         model_or_named_params: an ``nn.Module`` (routing by module type and name) or ``(name, param)`` pairs
