@@ -36,7 +36,7 @@ Schema history:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -549,6 +549,7 @@ def stage_load(
     capturable: bool = False,
     group_validator: Callable[[Mapping[str, Any], int], None] | None = None,
     shard_of: Callable[[Tensor], RowShard | None] | None = None,
+    hyperparameters: Collection[str] | None = None,
 ) -> StagedLoad:
     """Validate ``state_dict`` against the live param groups and build the state to publish.
 
@@ -565,6 +566,11 @@ def stage_load(
             Newton–Schulz and NorMuon options), run on every saved group; its ``ValueError`` becomes a
             :class:`CheckpointError`.
         shard_of: ``param -> RowShard | None`` for sharded (DTensor) parameters (see :func:`stage_param_state`).
+        hyperparameters: the optimizer's own group keys (its ``defaults``); a saved group must have each of them
+            (except those added after checkpoints existed, which keep the live value). Keys the live groups hold
+            beyond these (an LR scheduler's ``initial_lr``, a user's tag) are not required and keep their live
+            value where the checkpoint lacks them; where both have a key, the saved value wins (torch semantics).
+            ``None``: every live key is required.
 
     Returns:
         :class:`StagedLoad`.
@@ -598,8 +604,9 @@ def stage_load(
             raise CheckpointError(
                 f"{where} has {len(saved['params'])} parameters, the live group has {len(live['params'])}."
             )
+        required = live.keys() if hyperparameters is None else set(hyperparameters) & live.keys()
         missing = sorted(
-            k for k in live if k not in saved and k not in _LIVE_ONLY_GROUP_KEYS and k not in _ADDED_GROUP_KEYS
+            k for k in required if k not in saved and k not in _LIVE_ONLY_GROUP_KEYS and k not in _ADDED_GROUP_KEYS
         )
         if missing:
             raise CheckpointError(
@@ -619,13 +626,8 @@ def stage_load(
             or not all(isinstance(n, str) for n in saved_names)
         ):
             raise CheckpointError(f"{where}['param_names'] must be a list of one name (str) per parameter.")
-        if saved_names is not None and live_names is not None and list(saved_names) != list(live_names):
-            diff = (
-                next((a, b) for a, b in zip(saved_names, live_names) if a != b)
-                if len(saved_names) == len(live_names)
-                else (len(saved_names), len(live_names))
-            )
-            raise CheckpointError(f"{where} parameter names differ from the live ones (first difference: {diff}).")
+        # names never block a load (torch.optim loads by position; a torch.compile or DDP wrapper prefixes them
+        # with "_orig_mod." or "module."): what makes a checkpoint not fit is a count or shape, checked below
         for i, (pid, param) in enumerate(zip(saved["params"], live["params"])):
             # torch.optim saves integer indices; torch.distributed.checkpoint's helpers pass parameter names (FQNs)
             if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid in index_to_param:
@@ -638,9 +640,9 @@ def stage_load(
             k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items() if k != GROUP_METADATA_KEY
         }
         group["params"] = live["params"]
-        for key in _ADDED_GROUP_KEYS:
-            if key in live and key not in group:
-                group[key] = live[key]
+        for key, value in live.items():  # keys the checkpoint predates or never had (scheduler, user tags)
+            if key not in group and key not in ("param_names",):
+                group[key] = value
         if live_names is not None:
             group["param_names"] = live_names
         new_groups.append(group)

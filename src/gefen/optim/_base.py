@@ -553,6 +553,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             capturable=self.capturable,
             group_validator=self._check_group,
             shard_of=self._shard_of,
+            hyperparameters=self.defaults.keys(),
         )
 
     def _publish_load(self, staged: StagedLoad) -> None:

@@ -1,0 +1,104 @@
+"""torch.optim's loading conventions (issue 15): parameter names never block a load (case 006), and what torch's
+ecosystem adds to live param groups (an LR scheduler's ``initial_lr``) does not make a checkpoint "edited"."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import gefen
+from gefen import CheckpointError
+
+KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 4))
+
+
+def _build(kind: str, named, **options) -> torch.optim.Optimizer:
+    named = list(named)
+    if kind == "gefen":
+        return gefen.Gefen(named, lr=1e-2, **options)
+    if kind == "muon":
+        return gefen.GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return gefen.GefenMuonHybrid(named, lr=1e-2, backup_optimizer=kind.split("_")[1], **options)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(s))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _roundtrip(sd: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module."])
+@pytest.mark.parametrize("kind", KINDS)
+def test_names_of_a_wrapper_do_not_block_a_load_case_006(kind, prefix):
+    """Saved through a torch.compile / DDP wrapper (prefixed names), loaded into the bare model, and the other way
+    round: the load goes by position as torch's does and the run continues bit for bit."""
+    model = _model()
+    opt = _build(kind, [(prefix + n, p) for n, p in model.named_parameters()])
+    _train(model, opt, range(2))
+    saved = _roundtrip(opt.state_dict())
+    straight = copy.deepcopy(model)
+    straight_opt = _build(kind, [(prefix + n, p) for n, p in straight.named_parameters()])
+    straight_opt.load_state_dict(copy.deepcopy(saved))
+    _train(straight, straight_opt, range(2, 4))
+    for names in ("bare", "prefixed twice"):
+        resumed = copy.deepcopy(model)
+        named = resumed.named_parameters()
+        fresh = _build(kind, named if names == "bare" else [(prefix + prefix + n, p) for n, p in named])
+        fresh.load_state_dict(copy.deepcopy(saved))
+        _train(resumed, fresh, range(2, 4))
+        assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters())), names
+        # Gefen halves keep the live names (torch's AdamW keeps the saved ones)
+        parts = fresh._children() if isinstance(fresh, gefen.GefenMuonHybrid) else [fresh]
+        live = [n for o in parts if isinstance(o, gefen.Gefen) for g in o.param_groups for n in g["param_names"]]
+        assert live and all(n.startswith(prefix + prefix) for n in live) == (names != "bare")
+
+
+@pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid_gefen"])
+def test_a_scheduler_made_before_the_load_does_not_make_the_checkpoint_edited(kind):
+    """Trainer's order: optimizer, then LR scheduler (which writes ``initial_lr`` into the live groups), then the
+    checkpoint (saved without a scheduler) is loaded: it loads, saved values win, the scheduler keeps working."""
+    model = _model()
+    opt = _build(kind, model.named_parameters())
+    _train(model, opt, range(2))
+    saved = _roundtrip(opt.state_dict())
+    fresh = _build(kind, copy.deepcopy(model).named_parameters(), weight_decay=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 0.5 ** step)
+    assert all("initial_lr" in g for g in fresh.param_groups)
+    fresh.load_state_dict(saved)
+    assert all(g["initial_lr"] == 1e-2 for g in fresh.param_groups)  # the live key is kept
+    assert all(g["weight_decay"] != 0.5 for g in fresh.param_groups)  # the saved value wins
+    scheduler.step()
+    assert all(g["lr"] == pytest.approx(5e-3) for g in fresh.param_groups)
+
+
+def test_a_missing_hyperparameter_of_ours_is_still_refused():
+    model = _model()
+    opt = _build("gefen", model.named_parameters())
+    _train(model, opt, range(1))
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["eps"]
+    with pytest.raises(CheckpointError, match=r"lacks the hyperparameters \['eps'\]"):
+        _build("gefen", _model().named_parameters()).load_state_dict(saved)
