@@ -26,7 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.checkpoint import HYBRID_BACKENDS, HYBRID_KEYS, _int_counter, _same_metadata, check_hybrid_layout
+from gefen.checkpoint import (
+    HYBRID_BACKENDS,
+    HYBRID_KEYS,
+    _check_policy,
+    _int_counter,
+    _same_metadata,
+    check_hybrid_layout,
+)
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 
@@ -200,17 +207,8 @@ def split_hybrid_state_dict(
         )
     if not halves:
         raise CheckpointError("the hybrid checkpoint has no param group in either half.")
-    check_hybrid_layout(
-        {
-            "muon": halves.get("muon"),
-            "backup": halves.get("backup"),
-            "backup_optimizer": tag,
-            "deterministic": meta["deterministic"],
-            "skipped_steps": meta["skipped_steps"],
-        },
-        backend,
-        deterministic,
-    )
+    if deterministic is not None:
+        _check_policy(meta["deterministic"], deterministic)
     return HybridHalves(
         halves.get("muon"), halves.get("backup"), tag, meta["deterministic"], meta["skipped_steps"], "torch"
     )

@@ -4,7 +4,6 @@ ecosystem adds to live param groups (an LR scheduler's ``initial_lr``) does not 
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import gefen
 from gefen import CheckpointError
+from tests.optim.test_resume_matrix import _roundtrip
 
 KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
 
@@ -38,13 +38,6 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-
-
-def _roundtrip(sd: dict) -> dict:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")

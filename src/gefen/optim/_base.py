@@ -466,7 +466,9 @@ class GefenOptimizer(torch.optim.Optimizer):
         """Apply the ``nonfinite`` policy (see :mod:`gefen.nonfinite`) to the step's gradients; one host read.
 
         ``"skip"`` and ``"raise"`` check every gradient, ``"propagate"`` only the first gradient of a parameter
-        without state (its period search and the codebook need finite values).
+        without state (its period search and the codebook need finite values). Inside a
+        :class:`gefen.GefenMuonHybrid` step, which applied the policy to both halves in its preflight, nothing is
+        checked twice.
 
         Returns:
             Under ``"skip"``, the names of the unusable gradients (the step must be skipped when non-empty);
@@ -476,6 +478,8 @@ class GefenOptimizer(torch.optim.Optimizer):
             StepError: naming the first such parameter, under ``"raise"`` or for a first gradient under
                 ``"propagate"``; nothing has been changed.
         """
+        if self.__dict__.get("_finite_checked"):  # a GefenMuonHybrid already applied the policy to this step
+            return []
         everything = self.nonfinite != "propagate"
         named = [
             (item.name, item.grad)

@@ -576,8 +576,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 self._skipped_steps += 1
                 warn_user(skip_message("GefenMuonHybrid", skip.names, self._skipped_steps))
             return loss
-        for child in self._children():
-            child.step()
+        for child in self._children():  # the NaN/Inf policy ran above over both halves: not again per child
+            if isinstance(child, Gefen):
+                child._finite_checked = True
+            try:
+                child.step()
+            finally:
+                child.__dict__.pop("_finite_checked", None)
         return loss
 
     def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, StepSkip | None]:
