@@ -13,8 +13,12 @@ A parameter without state yet (before its first gradient) is saved as zero count
 ``torch.distributed.checkpoint``'s full-state load can only merge 0-dim entries the live dict already has.
 
 The mirror exists because tools such as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keep
-only ``state`` and ``param_groups``: without it the codebook would be lost and the uint8 codes unreadable. The
-loader strips it before the groups are published, so it never appears in live ``param_groups``.
+only ``state`` and ``param_groups``: without it the codebook would be lost and the uint8 codes unreadable. Every
+*live* param group holds the key with the stand-in value ``None`` (:data:`LIVE_GROUP_CARRIERS`): DCP's flattened
+layout (``flatten_optimizer_state_dict=True``, torchtitan's default) rebuilds the saved groups from the keys of the
+live ones, so a key the live groups lacked would be dropped on load. The loader never publishes the saved mirror.
+The same rebuild keeps only the per-parameter state keys the live optimizer holds, standing in ``{}`` for the
+others; :func:`stage_load` drops those stand-ins and refuses an entry left empty (see there).
 
 Everything in it is a tensor, a number, a string, a list or a dict, so ``torch.load(weights_only=True)`` reads it.
 
@@ -54,6 +58,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "METADATA_KEY",
     "GROUP_METADATA_KEY",
+    "LIVE_GROUP_CARRIERS",
+    "drop_flattened_stand_ins",
     "MIGRATIONS",
     "Metadata",
     "build_metadata",
@@ -74,6 +80,9 @@ SCHEMA_VERSION = 3
 METADATA_KEY = "gefen"
 #: Key of the metadata mirror inside every saved param group.
 GROUP_METADATA_KEY = "gefen_metadata"
+#: Group keys every live param group holds with a fixed stand-in value, never a saved one (see the module
+#: docstring): ``key -> live value``.
+LIVE_GROUP_CARRIERS: dict[str, Any] = {GROUP_METADATA_KEY: None}
 
 
 def build_metadata(
@@ -387,6 +396,43 @@ def is_placeholder(saved: object) -> bool:
     )
 
 
+def drop_flattened_stand_ins(saved: object, where: str, global_step: int) -> Any:
+    """Undo what torch's flattened DCP layout puts in a parameter's state (``flatten_optimizer_state_dict=True``).
+
+    ``set_optimizer_state_dict`` rebuilds each parameter's state from the keys the *live* optimizer holds, with
+    ``{}`` for a key the flattened dict lacks (a live key the checkpoint never had). Those stand-ins are dropped.
+    An entry that is ``{}`` as a whole means the live optimizer held no state for the parameter, so whatever the
+    checkpoint had for it was not read: harmless when the checkpoint never stepped, refused otherwise.
+
+    Args:
+        saved: one untrusted per-parameter entry of ``state_dict["state"]``.
+        where: prefix for messages.
+        global_step: the checkpoint's global step.
+
+    Returns:
+        ``saved`` without stand-ins (the same object when it has none), or ``None`` for "no state".
+
+    Raises:
+        CheckpointError: an empty entry in a checkpoint of a trained optimizer.
+    """
+    if not isinstance(saved, Mapping):
+        return saved
+    if not saved:
+        if global_step == 0:
+            return None
+        raise CheckpointError(
+            f"{where} is empty, in a checkpoint of an optimizer that took {global_step} steps. This is what "
+            "torch.distributed.checkpoint's flattened layout (flatten_optimizer_state_dict=True) leaves when the "
+            "live optimizer holds no state for the parameter: set_optimizer_state_dict reads only the state keys "
+            "the live optimizer has, and a Gefen optimizer has state only after its first step with a gradient, "
+            "so the saved state was not read. Load with flatten_optimizer_state_dict=False (or torch.load and "
+            "load_state_dict), or take the first step before loading."
+        )
+    if not any(isinstance(v, Mapping) and not v for v in saved.values()):
+        return saved
+    return {k: v for k, v in saved.items() if not (isinstance(v, Mapping) and not v)}
+
+
 def _stage_rows(
     value: Tensor,
     key: str,
@@ -636,9 +682,8 @@ def stage_load(
                 )
             name = live_names[i] if live_names is not None else f"param_groups[{g}][{i}]"
             index_to_param[pid] = (param, saved, name)
-        group = {
-            k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items() if k != GROUP_METADATA_KEY
-        }
+        group = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in saved.items()}
+        group.update(LIVE_GROUP_CARRIERS)
         group["params"] = live["params"]
         for key, value in live.items():  # keys the checkpoint predates or never had (scheduler, user tags)
             if key not in group and key not in ("param_names",):
@@ -653,7 +698,8 @@ def stage_load(
             raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
-        if is_placeholder(saved_state):  # the stand-in for "no state yet"
+        saved_state = drop_flattened_stand_ins(saved_state, where, meta.global_step)
+        if saved_state is None or is_placeholder(saved_state):  # the stand-in for "no state yet"
             continue
         new_state[param] = stage_param_state(
             saved_state,

@@ -12,7 +12,8 @@
                       "deterministic": bool, "skipped_steps": int}}
 
 The ``gefen_hybrid`` entry is mirrored into every group (the DCP helpers keep only ``state`` and
-``param_groups``). Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
+``param_groups``). The live groups (the children's) hold ``hybrid_half`` and a ``None`` stand-in for the mirror,
+because DCP's flattened layout rebuilds the saved groups from the live groups' keys (see :mod:`gefen.checkpoint`). Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
 its metadata mirror) and validated by that child. The older "halves" layout (``{"muon": ..., "backup": ...,
 "backup_optimizer": ...}``, gefen 0.1) migrates explicitly in :func:`split_hybrid_state_dict`.
 """
@@ -123,8 +124,10 @@ def is_hybrid_state_dict(state_dict: object) -> bool:
         return False
     if HYBRID_KEYS.intersection(state_dict) or HYBRID_METADATA_KEY in state_dict:
         return True
-    groups = state_dict.get("param_groups")
-    return isinstance(groups, list) and any(isinstance(g, Mapping) and HYBRID_HALF_KEY in g for g in groups)
+    groups = state_dict.get("param_groups")  # a child's own dict has "hybrid_half" too, but no mirror
+    return isinstance(groups, list) and any(
+        isinstance(g, Mapping) and g.get(HYBRID_METADATA_KEY) is not None for g in groups
+    )
 
 
 def split_hybrid_state_dict(

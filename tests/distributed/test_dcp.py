@@ -164,3 +164,45 @@ def _full_state_one_process_job(rank: int, world: int, kind: str) -> dict[str, o
 def test_full_state_into_a_fresh_optimizer_in_one_process_case_003(kind):
     result = run_world(_full_state_one_process_job, 1, kind)[0]
     assert result == {"broadcast_from_rank0": True, "full_state_dict": True}
+
+
+def _flattened_job(rank: int, world: int, kind: str) -> dict[str, object]:
+    """Case 007 under FSDP2: the flattened layout (torchtitan's default), sharded, kept in memory, set into a
+    template that already holds state; both runs then continue."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = model_fn(True)
+    fully_shard(model)
+    opt = build(kind, model)
+    train(model, opt, range(BEFORE), learnable=True)
+    osd = get_optimizer_state_dict(model, opt, options=flat)
+    msd = copy.deepcopy(get_model_state_dict(model))
+    resumed = model_fn(True)
+    fully_shard(resumed)
+    template = build(kind, resumed)
+    train(resumed, template, range(100, 101), learnable=True)
+    set_model_state_dict(resumed, msd)
+    set_optimizer_state_dict(resumed, template, osd, options=flat)
+    steps = [o.global_step for o in _gefen_parts(template)]
+    train(model, opt, range(BEFORE, BEFORE + 2), learnable=True)
+    train(resumed, template, range(BEFORE, BEFORE + 2), learnable=True)
+    same = all(torch.equal(a, b) for a, b in zip(full_params(model).values(), full_params(resumed).values()))
+    return {"same": same, "steps": steps}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gefen", "hybrid_adamw"])
+def test_flattened_layout_round_trips_under_fsdp2_case_007(kind):
+    for r in run_world(_flattened_job, 2, kind):
+        assert r["steps"] and all(s == BEFORE for s in r["steps"])
+        assert r["same"]

@@ -1,5 +1,7 @@
-"""torch.optim's loading conventions (issue 15): parameter names never block a load (case 006), and what torch's
-ecosystem adds to live param groups (an LR scheduler's ``initial_lr``) does not make a checkpoint "edited"."""
+"""torch.optim's loading conventions (issue 15): parameter names never block a load (case 006), what torch's
+ecosystem adds to live param groups (an LR scheduler's ``initial_lr``) does not make a checkpoint "edited", and
+``torch.distributed.checkpoint``'s flattened layout round-trips (case 007; the process-group variant is in
+``tests/distributed/test_dcp.py``)."""
 
 from __future__ import annotations
 
@@ -95,3 +97,64 @@ def test_a_missing_hyperparameter_of_ours_is_still_refused():
         del group["eps"]
     with pytest.raises(CheckpointError, match=r"lacks the hyperparameters \['eps'\]"):
         _build("gefen", _model().named_parameters()).load_state_dict(saved)
+
+
+def _flat(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+@pytest.mark.parametrize("kind", KINDS)
+def test_dcp_flattened_layout_round_trips_bit_exactly_case_007(kind):
+    """torchtitan's layout: ``get``/``set_optimizer_state_dict(flatten_optimizer_state_dict=True)`` with the
+    optimizer itself (the hybrid too), into a template that already holds state, with no process group: the
+    continuation equals the uninterrupted run bit for bit, counters and codebooks included."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _model()
+    opt = _build(kind, model.named_parameters())
+    _train(model, opt, range(3))
+    flat = get_optimizer_state_dict(model, opt, options=_flat())
+    assert all(k.startswith(("state.", "param_groups.")) for k in flat)
+    resumed = copy.deepcopy(model)
+    template = _build(kind, resumed.named_parameters())
+    _train(resumed, template, range(50, 51))  # different state, and different weights until the model loads
+    resumed.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(resumed, template, copy.deepcopy(flat), options=_flat())
+    parts = opt._children() if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+    loaded = template._children() if isinstance(template, gefen.GefenMuonHybrid) else [template]
+    for a, b in zip(parts, loaded):
+        if isinstance(a, gefen.Gefen):
+            assert b.global_step == a.global_step == 3
+            assert torch.equal(b.codebook, a.codebook)
+    assert all(g.get("gefen_metadata") is None for g in template.param_groups)  # the live stand-in is kept
+    _train(model, opt, range(3, 5))
+    _train(resumed, template, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
+
+
+@pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+@pytest.mark.parametrize("kind", ["gefen", "hybrid_adamw"])
+def test_dcp_flattened_layout_into_a_fresh_optimizer_is_refused_clearly(kind):
+    """A fresh Gefen optimizer holds no state keys, so the flattened layout's rebuild reads none of the saved
+    state (torch's AdamW gets its keys from the helpers' zero-gradient step): refused, naming the fix, with the
+    optimizer unchanged."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _model()
+    opt = _build(kind, model.named_parameters())
+    _train(model, opt, range(3))
+    flat = get_optimizer_state_dict(model, opt, options=_flat())
+    resumed = copy.deepcopy(model)
+    fresh = _build(kind, resumed.named_parameters())
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match=r"is empty.*flatten_optimizer_state_dict=False"):
+        set_optimizer_state_dict(resumed, fresh, flat, options=_flat())
+    after = fresh.state_dict()
+    # (the rebuild's reads of the live defaultdict leave empty entries, as for any torch optimizer; an AdamW backup
+    # got its state from the helpers' zero-gradient step, before the load)
+    parts = fresh._children() if isinstance(fresh, gefen.GefenMuonHybrid) else [fresh]
+    assert not any(o.state[p] for o in parts if isinstance(o, gefen.Gefen) for g in o.param_groups for p in g["params"])
+    assert after["param_groups"] == before["param_groups"]

@@ -27,7 +27,7 @@ from gefen.amp import (
     unusable_names,
     wants_native_amp,
 )
-from gefen.checkpoint import StagedLoad, attach_metadata, build_metadata, stage_load
+from gefen.checkpoint import LIVE_GROUP_CARRIERS, StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.compiled import StepKernels
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group
@@ -188,6 +188,8 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("nonfinite", "propagate")
         self.__dict__.setdefault("_skipped_steps", 0)
         self.__dict__.setdefault("_global_step_t", None)
+        for group in self.param_groups:
+            group.update(LIVE_GROUP_CARRIERS)
         self._tables = {}
         self._init_runtime()
         if _add_metadata not in self._optimizer_state_dict_post_hooks.values():
@@ -247,6 +249,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._check_group_tensors({**self.defaults, **group}, tensors, where)
         self._check_sharding({**self.defaults, **group}, tensors, where)
         group["params"] = items
+        group.update(LIVE_GROUP_CARRIERS)  # never a saved or user value (see gefen.checkpoint)
         super().add_param_group(group)
 
     def _check_sharding(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:

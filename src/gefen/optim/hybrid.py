@@ -31,6 +31,7 @@ from gefen.amp import (
 )
 from gefen.checkpoint_hybrid import (
     HYBRID_HALF_KEY,
+    HYBRID_METADATA_KEY,
     build_hybrid_state_dict,
     check_adamw_state,
     split_hybrid_state_dict,
@@ -395,6 +396,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                     eps=eps,
                     weight_decay=bwd,
                 )
+        self._mark_groups()
         first = self._children()[0]
         self.defaults = first.defaults
         for name in _HOOK_REGISTRIES:
@@ -416,6 +418,14 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     def _children(self) -> list[torch.optim.Optimizer]:
         return [c for c in (self.muon, self.backup) if c is not None]
+
+    def _mark_groups(self) -> None:
+        """Give every live group the hybrid's carriers: its ``hybrid_half`` and a ``None`` stand-in for the
+        ``gefen_hybrid`` mirror (torch's flattened DCP layout keeps only the group keys the live groups have; see
+        :mod:`gefen.checkpoint_hybrid`)."""
+        for half, child in (("muon", self.muon), ("backup", self.backup)):
+            for group in [] if child is None else child.param_groups:
+                group.update({HYBRID_HALF_KEY: half, HYBRID_METADATA_KEY: None})
 
     def _owner_of(self, param: Any) -> torch.optim.Optimizer | None:
         """The half holding ``param`` (``None``: neither), from a table keyed by tensor identity that is rebuilt
@@ -441,6 +451,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for name in _HOOK_REGISTRIES:
             self.__dict__.setdefault(name, OrderedDict())
         self.__dict__.setdefault("_skipped_steps", 0)
+        self._mark_groups()
 
     # ------------------------------------------------------------------ torch.optim surface
     @property  # type: ignore[override]
@@ -515,6 +526,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         group["params"] = [(n or f"param_groups[{index}][{i}]", p) for i, (n, p) in enumerate(named)]
         group.pop("param_names", None)
         child.add_param_group(group)
+        self._mark_groups()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forward to both children."""
@@ -681,6 +693,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             else:
                 child.__setstate__({"state": half_state.state, "param_groups": half_state.param_groups})
         self._skipped_steps = skipped
+        self._mark_groups()
         for child, _ in staged:
             if isinstance(child, Gefen):
                 child._run_load_post_hooks()
