@@ -13,7 +13,8 @@
 
 The ``gefen_hybrid`` entry is mirrored into every group (the DCP helpers keep only ``state`` and
 ``param_groups``). The live groups (the children's) hold ``hybrid_half`` and a ``None`` stand-in for the mirror,
-because DCP's flattened layout rebuilds the saved groups from the live groups' keys (see :mod:`gefen.checkpoint`). Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
+because DCP's flattened layout rebuilds the saved groups from the live groups' keys (see :mod:`gefen.checkpoint`).
+Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
 its metadata mirror) and validated by that child. The older "halves" layout (``{"muon": ..., "backup": ...,
 "backup_optimizer": ...}``, gefen 0.1) migrates explicitly in :func:`split_hybrid_state_dict`.
 """
