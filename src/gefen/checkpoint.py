@@ -40,6 +40,7 @@ Schema history:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,16 @@ from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
 from gefen.math.period import PERIOD_SEARCH_VARIANT
-from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, mesh_key, sharded_shape
-from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
+from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, local, mesh_key, sharded_shape
+from gefen.state import (
+    FIRST_MOMENT_CODES,
+    FIRST_MOMENT_SCALE,
+    NORMUON_STEP,
+    PERIOD,
+    STEP,
+    SecondMomentKind,
+    state_spec,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -147,6 +156,8 @@ class Metadata:
         global_step: ``>= 0``.
         deterministic: the saved policy, or ``None`` for an untagged (v1) checkpoint.
         skipped_steps: ``>= 0``, steps skipped for NaN/Inf gradients (0 for checkpoints before schema 3).
+        assembled: the dict held the loading optimizer's own metadata copies too, overruled by the checkpoint's
+            (a load pre-hook built it from the live ``state_dict()``; see :func:`read_metadata`).
     """
 
     saved_version: int
@@ -155,6 +166,7 @@ class Metadata:
     global_step: int
     deterministic: bool | None
     skipped_steps: int = 0
+    assembled: bool = False
 
 
 _INT64_MAX = 2**63 - 1
@@ -192,8 +204,19 @@ def _same_metadata(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return True
 
 
-def _find_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Mapping[str, Any]:
-    """The one metadata dict of a checkpoint: the top-level entry and/or the group mirrors, which must agree."""
+def _find_metadata(
+    state_dict: Mapping[str, Any], optimizer_kind: str, live: Mapping[str, Any] | None = None
+) -> tuple[Mapping[str, Any], bool]:
+    """The one metadata dict of a checkpoint: the top-level entry and/or the group mirrors, which must agree.
+
+    A dict assembled from two sources (torch's documented ``register_load_state_dict_pre_hook`` recipe starts
+    from the live optimizer's ``state_dict()`` and copies the saved groups' keys, mirror included, and the saved
+    per-parameter state) holds two metadata dicts: the live optimizer's own (``live``) at the top level and the
+    checkpoint's in every group's mirror. Then the mirrors win; any other disagreement is refused.
+
+    Returns:
+        ``(metadata, assembled)``; ``assembled`` tells that the live optimizer's own copies were overruled.
+    """
     top = state_dict.get(METADATA_KEY)
     groups = state_dict["param_groups"]
     mirrors = [g.get(GROUP_METADATA_KEY) if isinstance(g, Mapping) else None for g in groups]
@@ -206,34 +229,46 @@ def _find_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Mappin
     for i, mirror in enumerate(present):
         if not isinstance(mirror, Mapping):
             raise CheckpointError(f"param_groups[{i}]['{GROUP_METADATA_KEY}'] must be a dict.")
-        if not _same_metadata(mirror, present[0]):
-            raise CheckpointError(
-                f"inconsistent optimizer metadata: param_groups[{i}]['{GROUP_METADATA_KEY}'] differs from "
-                "param_groups[0]'s (global step, codebook or policy); the checkpoint was edited."
-            )
     if top is not None and not isinstance(top, Mapping):
         raise CheckpointError(f"checkpoint '{METADATA_KEY}' entry must be a dict, got {type(top).__name__}.")
-    if top is not None and present and not _same_metadata(top, present[0]):
-        raise CheckpointError(
-            f"inconsistent optimizer metadata: the top-level '{METADATA_KEY}' entry and the param groups' "
-            f"'{GROUP_METADATA_KEY}' copies differ (global step, codebook or policy); the checkpoint was edited."
-        )
-    meta = top if top is not None else (present[0] if present else None)
-    if meta is None:
+    copies = ([top] if top is not None else []) + present
+    if not copies:
         raise CheckpointError(
             f"this is not a {optimizer_kind} checkpoint: the '{METADATA_KEY}' metadata entry is missing at the top "
             f"level and in the param groups (was it saved by another optimizer?); load the dict returned by "
             f"{optimizer_kind}.state_dict()."
         )
-    return meta
+    if all(_same_metadata(m, copies[0]) for m in copies):
+        return copies[0], False
+    if (  # the recipe's shape: the live optimizer's own top-level entry, every group's mirror the checkpoint's
+        live is not None
+        and top is not None
+        and _same_metadata(top, live)
+        and all(_same_metadata(m, present[0]) for m in present)
+    ):
+        return present[0], True
+    for i, mirror in enumerate(present):
+        if not _same_metadata(mirror, present[0]):
+            raise CheckpointError(
+                f"inconsistent optimizer metadata: param_groups[{i}]['{GROUP_METADATA_KEY}'] differs from "
+                "param_groups[0]'s (global step, codebook or policy); the checkpoint was edited."
+            )
+    raise CheckpointError(
+        f"inconsistent optimizer metadata: the top-level '{METADATA_KEY}' entry and the param groups' "
+        f"'{GROUP_METADATA_KEY}' copies differ (global step, codebook or policy); the checkpoint was edited."
+    )
 
 
-def read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Metadata:
+def read_metadata(
+    state_dict: Mapping[str, Any], optimizer_kind: str, live: Mapping[str, Any] | None = None
+) -> Metadata:
     """Find, reconcile, migrate and validate a checkpoint's metadata.
 
     Args:
         state_dict: a dict with ``param_groups`` (a list); never modified.
         optimizer_kind: the class name the checkpoint must have been saved by.
+        live: the loading optimizer's own metadata (as its ``state_dict()`` writes it), to tell its copies from
+            the checkpoint's in a dict assembled by a load pre-hook; ``None``: all copies must agree.
 
     Returns:
         :class:`Metadata` at :data:`SCHEMA_VERSION`.
@@ -242,7 +277,8 @@ def read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Metadat
         CheckpointError: missing or inconsistent copies, a newer or invalid schema version, another optimizer
             kind or period-search variant, a bad global step, deterministic tag or codebook.
     """
-    meta = dict(_find_metadata(state_dict, optimizer_kind))
+    found, assembled = _find_metadata(state_dict, optimizer_kind, live)
+    meta = dict(found)
     version = meta.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise CheckpointError(f"checkpoint schema_version={version!r} is not a positive integer.")
@@ -279,7 +315,7 @@ def read_metadata(state_dict: Mapping[str, Any], optimizer_kind: str) -> Metadat
     skipped = _int_counter(meta.get("skipped_steps"), "checkpoint skipped_steps")
     if skipped < 0:
         raise CheckpointError(f"checkpoint skipped_steps={skipped} must be >= 0.")
-    return Metadata(saved_version, kind, codebook, global_step, deterministic, skipped)
+    return Metadata(saved_version, kind, codebook, global_step, deterministic, skipped, assembled)
 
 
 def stage_param_state(
@@ -396,6 +432,22 @@ def is_placeholder(saved: object) -> bool:
     )
 
 
+def _other_codebook(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is not None and b is not None and not torch.equal(a.cpu(), b.cpu())
+
+
+def _same_codes(staged: Mapping[str, Tensor], live: object) -> bool:
+    """Whether a staged state is a copy of a live one (same first-moment codes and magnitudes)."""
+    if not isinstance(live, Mapping) or FIRST_MOMENT_CODES not in live:
+        return False
+    return all(
+        isinstance(live.get(k), Tensor)
+        and local(staged[k]).shape == local(live[k]).shape
+        and torch.equal(local(staged[k]).cpu(), local(live[k]).cpu())
+        for k in (FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE)
+    )
+
+
 def drop_flattened_stand_ins(saved: object, where: str, global_step: int) -> Any:
     """Undo what torch's flattened DCP layout puts in a parameter's state (``flatten_optimizer_state_dict=True``).
 
@@ -502,14 +554,16 @@ class StagedLoad:
     """A fully validated load, ready to publish.
 
     Attributes:
-        state: live parameter -> fresh state dict (tensors owned by nobody else).
-        param_groups: new group dicts (saved hyperparameters, live ``params``, metadata mirror removed).
+        state: live parameter -> fresh state dict (tensors owned by nobody else); keys that are not parameters
+            (torch's ``state`` takes any key) map to a deep copy of their saved value.
+        param_groups: new group dicts (saved hyperparameters, live ``params``, the live stand-ins of
+            :data:`LIVE_GROUP_CARRIERS`).
         codebook: fp32 (256,) on the codebook device, or ``None``.
         global_step: restored global step.
         metadata: the validated metadata (schema version it was saved with, policy).
     """
 
-    state: dict[Tensor, dict[str, Tensor]]
+    state: dict[Any, Any]
     param_groups: list[dict[str, Any]]
     codebook: Tensor | None
     global_step: int
@@ -596,6 +650,8 @@ def stage_load(
     group_validator: Callable[[Mapping[str, Any], int], None] | None = None,
     shard_of: Callable[[Tensor], RowShard | None] | None = None,
     hyperparameters: Collection[str] | None = None,
+    live_metadata: Mapping[str, Any] | None = None,
+    live_state: Mapping[Any, Any] | None = None,
 ) -> StagedLoad:
     """Validate ``state_dict`` against the live param groups and build the state to publish.
 
@@ -617,6 +673,10 @@ def stage_load(
             beyond these (an LR scheduler's ``initial_lr``, a user's tag) are not required and keep their live
             value where the checkpoint lacks them; where both have a key, the saved value wins (torch semantics).
             ``None``: every live key is required.
+        live_metadata, live_state: the loading optimizer's own metadata (as its ``state_dict()`` writes it) and
+            its ``state``, for a dict a load pre-hook assembled from the live ``state_dict()`` and a checkpoint
+            (see :func:`read_metadata`): the checkpoint's metadata wins, and a parameter whose state is still the
+            live optimizer's (codes quantized against another codebook) is refused.
 
     Returns:
         :class:`StagedLoad`.
@@ -632,7 +692,7 @@ def stage_load(
         or not isinstance(state_dict.get("param_groups"), list)
     ):
         raise CheckpointError("a state dict must be a dict with 'state' (dict) and 'param_groups' (list).")
-    meta = read_metadata(state_dict, optimizer_kind)
+    meta = read_metadata(state_dict, optimizer_kind, live_metadata)
     _check_policy(meta.deterministic, deterministic)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(live_groups):
@@ -692,10 +752,15 @@ def stage_load(
             group["param_names"] = live_names
         new_groups.append(group)
 
-    new_state: dict[Tensor, dict[str, Tensor]] = {}
+    new_state: dict[Any, Any] = {}
     for pid, saved_state in state_dict["state"].items():
         if pid not in index_to_param:
-            raise CheckpointError(f"checkpoint state has an entry for parameter index {pid!r}, which no group lists.")
+            if isinstance(pid, int):
+                raise CheckpointError(
+                    f"checkpoint state has an entry for parameter index {pid!r}, which no group lists."
+                )
+            new_state[pid] = copy.deepcopy(saved_state)  # a key that is not a parameter: kept as-is (torch.optim)
+            continue
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
         saved_state = drop_flattened_stand_ins(saved_state, where, meta.global_step)
@@ -711,7 +776,34 @@ def stage_load(
             shard=None if shard_of is None else shard_of(param),
         )
     codebook = meta.codebook
-    if new_state and codebook is None:
+    live_codebook = None if live_metadata is None else live_metadata.get("codebook")
+    if (
+        not meta.assembled
+        and live_state is not None
+        and live_codebook is not None
+        and codebook is not None
+        and not _other_codebook(codebook, live_codebook)
+        and meta.global_step == live_metadata.get("global_step")  # type: ignore[union-attr]
+    ):
+        for pid, (param, _, name) in index_to_param.items():
+            if param in new_state and not _same_codes(new_state[param], live_state.get(param)):
+                raise CheckpointError(
+                    f"checkpoint state[{pid!r}] ({name}) is not this optimizer's, but the dict's metadata (codebook, "
+                    "global step) is this optimizer's own: the state was quantized against another codebook. A "
+                    "load pre-hook built the dict from the live state_dict() and copied per-parameter state from a "
+                    "checkpoint without its metadata; copy the saved groups' 'gefen_metadata' (and any top-level "
+                    "'gefen' entry) too."
+                )
+    if meta.assembled and live_state is not None and _other_codebook(codebook, live_codebook):
+        for pid, (param, _, name) in index_to_param.items():
+            if param in new_state and _same_codes(new_state[param], live_state.get(param)):
+                raise CheckpointError(
+                    f"checkpoint state[{pid!r}] ({name}) is this optimizer's own live state, quantized against its "
+                    "codebook, but the dict's metadata is the checkpoint's, whose codebook differs: a load pre-hook "
+                    "mixed the state of two optimizers. Copy every parameter's state from the checkpoint, or give "
+                    "the parameters it lacks zero counters {'step': 0, 'period': 0} (no state)."
+                )
+    if codebook is None and any(isinstance(k, Tensor) for k in new_state):
         raise CheckpointError(
             "checkpoint has quantized first moments but no frozen codebook (neither at the top level nor in the "
             "param groups' metadata); the uint8 codes cannot be read without it. Resume from the unmodified dict "

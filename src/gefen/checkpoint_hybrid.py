@@ -22,7 +22,7 @@ its metadata mirror) and validated by that child. The older "halves" layout (``{
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ class HybridHalves:
         deterministic: the saved policy, ``None`` when the checkpoint predates the tag.
         skipped_steps: steps the hybrid skipped for NaN/Inf gradients (``>= 0``).
         layout: ``"torch"`` or ``"halves"`` (the gefen 0.1 layout, migrated).
+        extra_state: ``state`` entries whose key is not a parameter (torch's ``state`` takes any key), as saved.
     """
 
     muon: dict[str, Any] | None
@@ -77,10 +78,15 @@ class HybridHalves:
     deterministic: bool | None
     skipped_steps: int
     layout: str
+    extra_state: dict[Any, Any] = field(default_factory=dict)
 
 
 def build_hybrid_state_dict(
-    halves: Mapping[str, dict[str, Any] | None], backup_optimizer: str, deterministic: bool, skipped_steps: int
+    halves: Mapping[str, dict[str, Any] | None],
+    backup_optimizer: str,
+    deterministic: bool,
+    skipped_steps: int,
+    extra_state: Mapping[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """Merge the children's state dicts into the hybrid's torch-layout state dict.
 
@@ -88,6 +94,7 @@ def build_hybrid_state_dict(
         halves: ``{"muon": sd or None, "backup": sd or None}``, each a child's ``state_dict()`` (int parameter
             indices from 0, as torch packs them).
         backup_optimizer, deterministic, skipped_steps: the hybrid's settings and counter.
+        extra_state: the hybrid's ``state`` entries whose key is not a parameter, saved as-is (as torch does).
 
     Returns:
         The dict above; the children's tensors are shared, not copied (as ``torch.optim`` does).
@@ -116,6 +123,7 @@ def build_hybrid_state_dict(
             count += len(group["params"])
         state.update({offset + i: value for i, value in sd["state"].items()})
         offset += count
+    state.update(extra_state or {})
     return {"state": state, "param_groups": groups, HYBRID_METADATA_KEY: meta}
 
 
@@ -200,9 +208,10 @@ def split_hybrid_state_dict(
             listed.add(pid)
             if pid in state:
                 target["state"][pid] = state[pid]
-    extra = [pid for pid in state if pid not in listed]
-    if extra:
-        raise CheckpointError(f"hybrid checkpoint state has entries for {extra[:5]!r}, which no param group lists.")
+    unlisted = [pid for pid in state if pid not in listed and isinstance(pid, int)]
+    if unlisted:
+        raise CheckpointError(f"hybrid checkpoint state has entries for {unlisted[:5]!r}, which no param group lists.")
+    extra = {k: v for k, v in state.items() if k not in listed}  # keys that are not parameters: as torch keeps them
     tag = meta["backup_optimizer"]
     if backend is not None and tag != backend:
         raise CheckpointError(
@@ -214,7 +223,7 @@ def split_hybrid_state_dict(
     if deterministic is not None:
         _check_policy(meta["deterministic"], deterministic)
     return HybridHalves(
-        halves.get("muon"), halves.get("backup"), tag, meta["deterministic"], meta["skipped_steps"], "torch"
+        halves.get("muon"), halves.get("backup"), tag, meta["deterministic"], meta["skipped_steps"], "torch", extra
     )
 
 

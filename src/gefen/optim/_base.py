@@ -47,14 +47,20 @@ from gefen.state import (
 __all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
 
-def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
-    """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
+def _live_metadata(optimizer: GefenOptimizer) -> dict[str, Any]:
+    """The metadata entry ``state_dict()`` writes for ``optimizer`` now."""
     meta = build_metadata(
         optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic, optimizer.skipped_steps
     )
     meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
     if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
         del meta["codebook"]
+    return meta
+
+
+def _add_metadata(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> None:
+    """State-dict post-hook: add the checkpoint metadata (module-level so optimizers stay picklable)."""
+    meta = _live_metadata(optimizer)
     _add_placeholders(optimizer, state_dict)
     attach_metadata(state_dict, meta)
 
@@ -561,6 +567,8 @@ class GefenOptimizer(torch.optim.Optimizer):
             group_validator=self._check_group,
             shard_of=self._shard_of,
             hyperparameters=self.defaults.keys(),
+            live_metadata=_live_metadata(self),
+            live_state=self.state,
         )
 
     def _publish_load(self, staged: StagedLoad) -> None:
@@ -616,7 +624,7 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Persistent optimizer state in bytes, measured from the live tensors (codebook included)."""
-        total = sum(state_bytes(s) for s in self.state.values())
+        total = sum(state_bytes(s) for k, s in self.state.items() if isinstance(k, Tensor))
         return total + (tensor_bytes(self._codebook) if self._codebook is not None else 0)
 
     def state_report(self) -> list[dict[str, Any]]:

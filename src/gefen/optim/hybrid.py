@@ -1,7 +1,8 @@
 """``GefenMuonHybrid``: whole-model Muon — 2-D hidden weights on :class:`GefenMuon`, the rest on a backup
 (:class:`Gefen` or ``torch.optim.AdamW``) — behaving as one ``torch.optim.Optimizer``.
 
-Routing (algorithm.md §8.1): a trainable parameter goes to Muon iff it is 2-D, is not the weight of an
+Routing (algorithm.md §8.1): a parameter (trainable or frozen: like any ``torch.optim`` optimizer the hybrid holds
+every tensor it is given and trains it once it has a gradient) goes to Muon iff it is 2-D, is not the weight of an
 ``nn.Embedding``/``nn.EmbeddingBag`` (matched by tensor identity, so a head tied to the embedding is caught) and
 its lower-cased name contains none of the backup substrings; everything else (embeddings, heads, norms,
 biases, 0-D and N-D tensors) goes to the backup.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -106,7 +107,7 @@ def nothing_for_muon(muon: Named, backup: Named, substrings: Sequence[str], back
         reasons.append("no parameter is a 2-D weight")
     return (
         f"GefenMuonHybrid: no parameter qualifies for Muon (it takes 2-D hidden weights with elements), so all "
-        f"{len(backup)} trainable parameter(s) go to the backup and this is a plain {backup_optimizer} optimizer: "
+        f"{len(backup)} parameter(s) go to the backup and this is a plain {backup_optimizer} optimizer: "
         + "; ".join(reasons)
         + ". Use gefen.Gefen directly if that is intended."
     )
@@ -124,8 +125,9 @@ def split_params_for_muon(
         backup_substrings: lower-case name fragments that force the backup.
 
     Returns:
-        ``(muon, backup)``: lists of ``(name, parameter)``, in ``named_parameters`` order; frozen parameters
-        (``requires_grad=False``) are left out.
+        ``(muon, backup)``: lists of ``(name, parameter)``, in ``named_parameters`` order. Frozen parameters
+        (``requires_grad=False``) are routed like the others: as in ``torch.optim``, an optimizer holds every
+        tensor it is given and updates it once it has a gradient (gradual unfreezing).
 
     Raises:
         TypeError: bare tensors instead of ``(name, tensor)`` pairs.
@@ -149,8 +151,6 @@ def split_params_for_muon(
                 )
     muon, backup = [], []
     for name, param in named:
-        if not param.requires_grad:
-            continue
         (muon if _is_muon(name, param, embedding_ids, substrings) else backup).append((name, param))
     return muon, backup
 
@@ -204,32 +204,55 @@ class _GroupsView(list):  # type: ignore[type-arg]
 
 
 class _StateView(MutableMapping):  # type: ignore[type-arg]
-    """``state`` of the hybrid: reads and writes go to the child that owns the parameter."""
+    """``state`` of the hybrid: a parameter's entry lives in the child that owns it; any other key (torch's
+    ``state`` is a ``defaultdict(dict)`` that takes any key) lives in the hybrid's own table, with the same
+    ``defaultdict`` behaviour, and is saved and loaded as-is, as ``torch.optim`` does."""
 
     def __init__(self, owner: GefenMuonHybrid) -> None:
         self._owner = owner
 
-    def _child(self, key: Any) -> torch.optim.Optimizer:
+    def _table(self, key: Any) -> MutableMapping[Any, Any]:
         child = self._owner._owner_of(key)
-        if child is None:
-            raise KeyError(f"{type(key).__name__} is not a parameter of this GefenMuonHybrid")
-        return child
+        return self._owner._extra_state if child is None else child.state
 
     def __getitem__(self, key: Any) -> Any:
-        return self._child(key).state[key]
+        return self._table(key)[key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._child(key).state[key] = value
+        self._table(key)[key] = value
 
     def __delitem__(self, key: Any) -> None:
-        del self._child(key).state[key]
+        del self._table(key)[key]
 
     def __iter__(self) -> Iterator[Any]:
         for child in self._owner._children():
             yield from child.state
+        yield from self._owner._extra_state
 
     def __len__(self) -> int:
-        return sum(len(child.state) for child in self._owner._children())
+        return sum(len(child.state) for child in self._owner._children()) + len(self._owner._extra_state)
+
+
+def _step_without_global_hooks(child: torch.optim.Optimizer) -> Any:
+    """``child.step()`` as torch's step wrapper runs it (profiler range, the child's own pre/post hooks), minus
+    the *global* hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``, which the
+    profiler's step tracker uses): they fire once, around the hybrid's own step."""
+    step = type(child).step
+    inner = step.__wrapped__ if getattr(step, "hooked", False) else step
+    args: tuple[Any, ...] = (child,)
+    kwargs: dict[str, Any] = {}
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(child).__name__}.step"):
+        for pre_hook in child._optimizer_step_pre_hooks.values():
+            result = pre_hook(child, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{pre_hook} must return None or a tuple of (new_args, new_kwargs).")
+                args, kwargs = result
+        out = inner(*args, **kwargs)
+        child._optimizer_step_code()
+        for post_hook in child._optimizer_step_post_hooks.values():
+            post_hook(child, args, kwargs)
+    return out
 
 
 #: The hook registries torch.optim.Optimizer keeps per instance (the hybrid keeps its own).
@@ -256,7 +279,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     ``state_dict()`` is torch.optim's layout over both halves (:mod:`gefen.checkpoint_hybrid`: ``state`` by
     position, groups naming their ``hybrid_half``, a ``gefen_hybrid`` entry), so tools written for torch.optim
     (the DCP helpers) take the hybrid itself, and ``load_state_dict`` validates both halves before either
-    changes; ``add_param_group`` routes a group to its half.
+    changes; ``add_param_group`` routes a group to its half. Parameters frozen at construction are held and train
+    once unfrozen; torch's global step hooks fire once per hybrid step; ``state`` takes keys that are not
+    parameters (saved and loaded as-is).
 
     Args:
         model_or_named_params: an ``nn.Module`` (routing by module type and name) or ``(name, param)`` pairs
@@ -279,7 +304,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             half skips the whole hybrid step (neither half changes; counted in :attr:`skipped_steps`).
 
     Raises:
-        ConfigError: no trainable parameter, an unknown ``backup_optimizer``, invalid hyperparameters, a policy
+        ConfigError: no parameter at all, an unknown ``backup_optimizer``, invalid hyperparameters, a policy
             combination that cannot be honoured (see :class:`Gefen`).
         TypeError: bare tensors instead of a model or ``(name, param)`` pairs; a non-bool ``deterministic`` or
             ``capturable``.
@@ -321,6 +346,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.deterministic = deterministic
         self.capturable = capturable
         self._skipped_steps = 0
+        self._extra_state: defaultdict[Any, Any] = defaultdict(dict)
         if capturable and backup_optimizer == "adamw":
             raise ConfigError(
                 "GefenMuonHybrid(capturable=True, backup_optimizer='adamw') is not supported: build the hybrid "
@@ -331,7 +357,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         muon, backup = split_params_for_muon(model_or_named_params, backup_substrings)
         validate_split(muon, backup, model_or_named_params if isinstance(model_or_named_params, nn.Module) else None)
         if not muon and not backup:
-            raise ConfigError("GefenMuonHybrid got no trainable parameter.")
+            raise ConfigError("GefenMuonHybrid got no parameter.")
         # checked first under the hybrid's own argument names (backup_lr, not backup['lr'])
         where = "GefenMuonHybrid: "
         check_lr(lr, where + "lr")
@@ -451,6 +477,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for name in _HOOK_REGISTRIES:
             self.__dict__.setdefault(name, OrderedDict())
         self.__dict__.setdefault("_skipped_steps", 0)
+        self.__dict__.setdefault("_extra_state", defaultdict(dict))
         self._mark_groups()
 
     # ------------------------------------------------------------------ torch.optim surface
@@ -592,7 +619,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             if isinstance(child, Gefen):
                 child._finite_checked = True
             try:
-                child.step()
+                _step_without_global_hooks(child)
             finally:
                 child.__dict__.pop("_finite_checked", None)
         return loss
@@ -650,6 +677,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             self.backup_optimizer,
             self.deterministic,
             self._skipped_steps,
+            self._extra_state,
         )
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, sd)
@@ -687,12 +715,14 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             if child is not None
         ]
         skipped = split.skipped_steps
+        extra: defaultdict[Any, Any] = defaultdict(dict, copy.deepcopy(split.extra_state))  # before the commit
         for child, half_state in staged:  # commit: plain assignments
             if isinstance(child, Gefen):
                 child._publish_load(half_state)
             else:
                 child.__setstate__({"state": half_state.state, "param_groups": half_state.param_groups})
         self._skipped_steps = skipped
+        self._extra_state = extra
         self._mark_groups()
         for child, _ in staged:
             if isinstance(child, Gefen):

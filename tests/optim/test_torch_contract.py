@@ -1,0 +1,379 @@
+"""torch.optim's generic optimizer contract, for all three optimizers from one parametrisation (issue 15).
+
+Written from torch's documented behaviour (``torch.optim.Optimizer`` and its hook registration methods), not from
+torch's test code: step hooks (global and per-optimizer, pre and post, order and firing counts, removal), state-dict
+hooks (they see and may replace torch's layout), the documented ``register_load_state_dict_pre_hook`` recipe that
+rebuilds a state dict by parameter name, ``state`` keys that are not parameters, parameters frozen at
+construction and unfrozen later (case 008), ``zero_grad(set_to_none=...)``, a parameter without a gradient being
+left alone, and ``test_errors``-style bad inputs. Two deliberate differences from torch are asserted as such:
+duplicate parameters are refused (torch warns), and a loader cannot cast quantized state.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import gefen
+from gefen import CheckpointError, ConfigError
+
+KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
+
+pytestmark = pytest.mark.filterwarnings("ignore:Gefen learned its codebook:UserWarning")
+
+
+def _model(names: tuple[str, ...] = ("inp", "out")) -> torch.nn.Module:
+    torch.manual_seed(0)
+    sizes = {"inp": (8, 16), "mid": (16, 16), "out": (16, 4)}
+    return torch.nn.Sequential(torch.nn.ModuleDict({n: torch.nn.Linear(*sizes[n]) for n in names}))
+
+
+def _forward(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model[0].values():
+        x = torch.tanh(layer(x))
+    return x
+
+
+def _build(kind: str, model: torch.nn.Module, **options: Any) -> torch.optim.Optimizer:
+    named = list(model.named_parameters())
+    if kind == "gefen":
+        return gefen.Gefen(named, lr=1e-2, **options)
+    if kind == "muon":
+        return gefen.GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=kind.split("_")[1], **options)
+
+
+def _backward(model: torch.nn.Module, seed: int) -> None:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+    _forward(model, x).square().mean().backward()
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        opt.zero_grad()
+        _backward(model, s)
+        opt.step()
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+# ----------------------------------------------------------------------------------------------- step hooks
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_hooks_global_and_own_fire_once_per_step_in_torch_order(kind):
+    model = _model()
+    opt = _build(kind, model)
+    calls: list[tuple[str, str]] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", type(o).__name__))),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", type(o).__name__))),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("own pre", type(o).__name__))),
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("own post", type(o).__name__))),
+    ]
+    try:
+        _train(model, opt, range(2))
+    finally:
+        for h in handles[:2]:
+            h.remove()
+    name = type(opt).__name__
+    one = [("global pre", name), ("own pre", name), ("own post", name), ("global post", name)]
+    assert calls == one + one  # a hybrid's halves step without firing the global hooks again
+    for h in handles[2:]:
+        h.remove()
+    calls.clear()
+    _train(model, opt, range(2, 3))
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_pre_hook_sees_the_closure_and_the_closure_runs_once(kind):
+    model = _model()
+    opt = _build(kind, model)
+    seen: list[Any] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append((len(a), sorted(k))))
+    runs = []
+
+    def closure():
+        runs.append(1)
+        opt.zero_grad()
+        _backward(model, 0)
+        return torch.tensor(1.5)
+
+    assert float(opt.step(closure)) == 1.5
+    assert runs == [1] and len(seen) == 1
+
+
+# ----------------------------------------------------------------------------------------- state-dict hooks
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_dict_hooks_see_and_replace_torch_layout(kind):
+    model = _model()
+    opt = _build(kind, model)
+    _train(model, opt, range(2))
+    events: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: events.append("pre"))
+
+    def post(o, sd):
+        events.append("post")
+        assert isinstance(sd["state"], dict) and isinstance(sd["param_groups"], list)
+        assert sorted(sd["state"]) == list(range(len(_params(o))))  # torch's layout: positions, every parameter
+        return {**sd, "user_tag": 7}
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert events == ["pre", "post"] and sd["user_tag"] == 7
+
+    fresh = _build(kind, copy.deepcopy(model))
+    loads: list[str] = []
+
+    def load_pre(o, sd):
+        loads.append("pre")
+        assert sd["user_tag"] == 7
+        return {k: v for k, v in sd.items() if k != "user_tag"}
+
+    fresh.register_load_state_dict_pre_hook(load_pre)
+    fresh.register_load_state_dict_post_hook(lambda o: loads.append("post"))
+    fresh.load_state_dict(sd)
+    assert loads == ["pre", "post"]
+    broken = copy.deepcopy(sd)
+    broken["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(CheckpointError):
+        fresh.load_state_dict(broken)
+    assert loads == ["pre", "post", "pre"]  # no post-hook after a refused load
+
+
+# ------------------------------------------------------------------- the documented load pre-hook recipe
+def _adapt_by_name(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """torch's documented recipe: start from the live state dict, take the saved groups' settings, and copy the
+    saved state of every parameter whose name the checkpoint has (applied to every group)."""
+    adapted = copy.deepcopy(optimizer.state_dict())
+    by_name = {}
+    for group in saved["param_groups"]:
+        by_name.update(dict(zip(group["param_names"], group["params"])))
+    for new_group, old_group in zip(adapted["param_groups"], saved["param_groups"]):
+        for key, value in old_group.items():
+            if key not in ("params", "param_names"):
+                new_group[key] = value
+        for pid, name in zip(new_group["params"], new_group["param_names"]):
+            if name in by_name:
+                adapted["state"][pid] = copy.deepcopy(saved["state"][by_name[name]])
+    return adapted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_load_pre_hook_recipe_loads_a_checkpoint_into_a_grown_model(kind):
+    """A layer is inserted (names and positions change): the recipe's dict, with the codebook it came with,
+    loads; every old parameter gets its saved state; the new one starts without state."""
+    old = _model(("inp", "out"))
+    opt = _build(kind, old)
+    _train(old, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    grown = _model(("inp", "mid", "out"))
+    grown[0]["inp"].load_state_dict(old[0]["inp"].state_dict())
+    grown[0]["out"].load_state_dict(old[0]["out"].state_dict())
+    fresh = _build(kind, grown)
+    fresh.register_load_state_dict_pre_hook(_adapt_by_name)
+    fresh.load_state_dict(saved)
+    old_named = dict(old.named_parameters())
+    compared = 0
+    for name, p in grown.named_parameters():
+        if not any(p is q for q in _params(fresh)):
+            continue
+        if name in old_named and opt.state.get(old_named[name]):
+            want, got = opt.state[old_named[name]], fresh.state[p]
+            assert sorted(got) == sorted(want), name
+            assert all(torch.equal(got[k], want[k]) for k in want), name
+            compared += 1
+        elif "mid" in name:
+            assert not fresh.state.get(p), name
+    assert compared >= 2
+    for a, b in zip(_children(opt), _children(fresh)):
+        if isinstance(a, gefen.Gefen):
+            assert torch.equal(a.codebook, b.codebook) and a.global_step == b.global_step
+    _train(grown, fresh, range(3, 5))
+    assert all(torch.isfinite(p).all() for p in grown.parameters())
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_the_recipe_cannot_mix_state_quantized_against_two_codebooks(kind):
+    """A warm optimizer keeps its own state for the new layer; that state was quantized against its own codebook,
+    not the checkpoint's: refused, naming the parameter, with nothing changed."""
+    old = _model(("inp", "out"))
+    opt = _build(kind, old)
+    _train(old, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    grown = _model(("inp", "mid", "out"))
+    warm = _build(kind, grown)
+    _train(grown, warm, range(10, 12))
+    before = copy.deepcopy(warm.state_dict())
+    warm.register_load_state_dict_pre_hook(_adapt_by_name)
+    with pytest.raises(CheckpointError, match=r"mid\.weight.*own live state.*codebook differs"):
+        warm.load_state_dict(saved)
+    after = warm.state_dict()
+    assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
+
+
+def _children(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    return opt._children() if isinstance(opt, gefen.GefenMuonHybrid) else [opt]
+
+
+# ------------------------------------------------------------------------------ state keys, frozen, zero_grad
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_takes_keys_that_are_not_parameters(kind):
+    model = _model()
+    opt = _build(kind, model)
+    assert opt.state["never set"] == {}  # a defaultdict, as torch's
+    opt.state["user"]["count"] = 3
+    _train(model, opt, range(2))
+    assert opt.state["user"] == {"count": 3}
+    sd = opt.state_dict()
+    assert sd["state"]["user"] == {"count": 3}
+    fresh = _build(kind, copy.deepcopy(model))
+    fresh.load_state_dict(sd)
+    assert fresh.state["user"] == {"count": 3}
+    assert fresh.state["user"] is not sd["state"]["user"]
+    _train(model, fresh, range(2, 3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_frozen_at_construction_train_once_unfrozen_case_008(kind):
+    model = _model()
+    model[0]["inp"].requires_grad_(False)
+    opt = _build(kind, model)
+    held = {id(p) for p in _params(opt)}
+    assert id(model[0]["inp"].weight) in held  # kept, as by torch.optim
+    _train(model, opt, range(2))
+    frozen = model[0]["inp"].weight.detach().clone()
+    model[0]["inp"].requires_grad_(True)
+    _train(model, opt, range(2, 4))
+    assert not torch.equal(frozen, model[0]["inp"].weight)
+
+
+def test_a_hybrid_of_frozen_parameters_only_is_built_case_008():
+    model = _model()
+    model.requires_grad_(False)
+    opt = gefen.GefenMuonHybrid(model, lr=1e-2)
+    assert len(_params(opt)) == 4
+    opt.step()  # no gradient anywhere: nothing happens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(kind, set_to_none):
+    model = _model()
+    opt = _build(kind, model)
+    _backward(model, 0)
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in _params(opt):
+        if set_to_none:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and not p.grad.any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parameter_without_a_gradient_is_left_alone(kind):
+    model = _model()
+    opt = _build(kind, model)
+    _train(model, opt, range(2))
+    frozen = model[0]["inp"].weight
+    before = frozen.detach().clone()
+    state_before = {k: v.clone() for k, v in opt.state[frozen].items()}
+    opt.zero_grad()
+    _backward(model, 5)
+    frozen.grad = None
+    opt.step()
+    assert torch.equal(frozen, before)
+    assert all(torch.equal(opt.state[frozen][k], v) for k, v in state_before.items())
+    counts = [c.global_step for c in _children(opt) if isinstance(c, gefen.Gefen)]
+    opt.zero_grad(set_to_none=True)
+    snapshot = [p.detach().clone() for p in _params(opt)]
+    opt.step()  # no gradient at all: a no-op, global steps included
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, _params(opt)))
+    assert counts == [c.global_step for c in _children(opt) if isinstance(c, gefen.Gefen)]
+
+
+# ----------------------------------------------------------------------------------------------- bad inputs
+def _make(kind: str, params: Any, **kw: Any) -> torch.optim.Optimizer:
+    if kind == "gefen":
+        return gefen.Gefen(params, **kw)
+    if kind == "muon":
+        return gefen.GefenMuon(params, **kw)
+    if isinstance(params, list) and all(isinstance(p, torch.Tensor) for p in params):
+        params = [(f"w{i}", p) for i, p in enumerate(params)]
+    return gefen.GefenMuonHybrid(params, **{"lr": 1e-3, **kw})
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid_gefen"])
+@pytest.mark.parametrize(
+    "label, params, options, error, match",
+    [
+        ("negative lr", "weights", {"lr": -1.0}, ConfigError, r"lr.*must be a finite number >= 0"),
+        ("nan lr", "weights", {"lr": float("nan")}, ConfigError, r"lr.*must be a finite number"),
+        ("empty list", "empty", {}, ValueError, r"empty parameter list|no parameter"),
+        ("a bare tensor", "tensor", {}, TypeError, r"single Tensor|needs an nn.Module or \(name, tensor\) pairs"),
+        ("a non-leaf tensor", "non-leaf", {}, ValueError, r"non-leaf"),
+        ("the same tensor twice (refused; torch warns)", "duplicate", {}, ValueError, r"twice"),
+    ],
+)
+def test_errors(kind, label, params, options, error, match):
+    w = torch.zeros(3, 4, requires_grad=True)
+    given = {
+        "weights": [w],
+        "empty": [],
+        "tensor": w,
+        "non-leaf": [w * 2],
+        "duplicate": [w, w],
+    }[params]
+    with pytest.raises(error, match=match):
+        _make(kind, given, **options)
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_a_loader_cannot_cast_quantized_state(kind):
+    """Deliberate difference: torch's load casts floating state to the parameter's dtype; Gefen keeps uint8 codes
+    and fp32 magnitudes whatever the parameter dtype, and refuses a checkpoint whose state dtypes were changed."""
+    model = _model()
+    opt = _build(kind, model)
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+    bf16 = _build(kind, copy.deepcopy(model).to(torch.bfloat16))
+    bf16.load_state_dict(copy.deepcopy(sd))
+    first = next(p for p in _params(bf16) if bf16.state.get(p))
+    assert bf16.state[first]["first_moment_codes"].dtype == torch.uint8
+    assert bf16.state[first]["first_moment_scale"].dtype == torch.float32
+    cast = copy.deepcopy(sd)
+    entry = next(s for s in cast["state"].values() if "first_moment_scale" in s)
+    entry["first_moment_scale"] = entry["first_moment_scale"].to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match=r"first_moment_scale.*dtype"):
+        _build(kind, copy.deepcopy(model)).load_state_dict(cast)
+
+
+def test_state_copied_without_its_metadata_into_a_warm_optimizer_is_refused():
+    """A pre-hook that copies the saved per-parameter state but not the saved groups' metadata (so the dict keeps
+    this optimizer's own codebook) would have the codes read against the wrong codebook: refused."""
+    old = _model(("inp", "out"))
+    opt = _build("gefen", old)
+    _train(old, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    grown = _model(("inp", "mid", "out"))
+    warm = _build("gefen", grown)
+    _train(grown, warm, range(10, 12))
+
+    def state_only(optimizer, sd):
+        adapted = _adapt_by_name(optimizer, sd)
+        live = optimizer.state_dict()
+        for new_group, live_group in zip(adapted["param_groups"], live["param_groups"]):
+            new_group["gefen_metadata"] = live_group["gefen_metadata"]
+        return adapted
+
+    warm.register_load_state_dict_pre_hook(state_only)
+    with pytest.raises(CheckpointError, match=r"inp\.weight.*is not this optimizer's.*another codebook"):
+        warm.load_state_dict(saved)
