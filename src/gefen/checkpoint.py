@@ -18,7 +18,8 @@ only ``state`` and ``param_groups``: without it the codebook would be lost and t
 layout (``flatten_optimizer_state_dict=True``, torchtitan's default) rebuilds the saved groups from the keys of the
 live ones, so a key the live groups lacked would be dropped on load. The loader never publishes the saved mirror.
 The same rebuild keeps only the per-parameter state keys the live optimizer holds, standing in ``{}`` for the
-others; :func:`stage_load` drops those stand-ins and refuses an entry left empty (see there).
+others; :func:`stage_load` drops those stand-ins and refuses an entry left empty (see
+:mod:`gefen.checkpoint_interop`).
 
 Everything in it is a tensor, a number, a string, a list or a dict, so ``torch.load(weights_only=True)`` reads it.
 
@@ -48,27 +49,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.checkpoint_interop import check_codebook_provenance, drop_flattened_stand_ins
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
 from gefen.math.period import PERIOD_SEARCH_VARIANT
-from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, local, mesh_key, sharded_shape
-from gefen.state import (
-    FIRST_MOMENT_CODES,
-    FIRST_MOMENT_SCALE,
-    NORMUON_STEP,
-    PERIOD,
-    STEP,
-    SecondMomentKind,
-    state_spec,
-)
+from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, mesh_key, sharded_shape
+from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
 
 __all__ = [
     "SCHEMA_VERSION",
     "METADATA_KEY",
     "GROUP_METADATA_KEY",
     "LIVE_GROUP_CARRIERS",
-    "drop_flattened_stand_ins",
     "MIGRATIONS",
     "Metadata",
     "build_metadata",
@@ -432,59 +425,6 @@ def is_placeholder(saved: object) -> bool:
     )
 
 
-def _other_codebook(a: Tensor | None, b: Tensor | None) -> bool:
-    return a is not None and b is not None and not torch.equal(a.cpu(), b.cpu())
-
-
-def _same_codes(staged: Mapping[str, Tensor], live: object) -> bool:
-    """Whether a staged state is a copy of a live one (same first-moment codes and magnitudes)."""
-    if not isinstance(live, Mapping) or FIRST_MOMENT_CODES not in live:
-        return False
-    return all(
-        isinstance(live.get(k), Tensor)
-        and local(staged[k]).shape == local(live[k]).shape
-        and torch.equal(local(staged[k]).cpu(), local(live[k]).cpu())
-        for k in (FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE)
-    )
-
-
-def drop_flattened_stand_ins(saved: object, where: str, global_step: int) -> Any:
-    """Undo what torch's flattened DCP layout puts in a parameter's state (``flatten_optimizer_state_dict=True``).
-
-    ``set_optimizer_state_dict`` rebuilds each parameter's state from the keys the *live* optimizer holds, with
-    ``{}`` for a key the flattened dict lacks (a live key the checkpoint never had). Those stand-ins are dropped.
-    An entry that is ``{}`` as a whole means the live optimizer held no state for the parameter, so whatever the
-    checkpoint had for it was not read: harmless when the checkpoint never stepped, refused otherwise.
-
-    Args:
-        saved: one untrusted per-parameter entry of ``state_dict["state"]``.
-        where: prefix for messages.
-        global_step: the checkpoint's global step.
-
-    Returns:
-        ``saved`` without stand-ins (the same object when it has none), or ``None`` for "no state".
-
-    Raises:
-        CheckpointError: an empty entry in a checkpoint of a trained optimizer.
-    """
-    if not isinstance(saved, Mapping):
-        return saved
-    if not saved:
-        if global_step == 0:
-            return None
-        raise CheckpointError(
-            f"{where} is empty, in a checkpoint of an optimizer that took {global_step} steps. This is what "
-            "torch.distributed.checkpoint's flattened layout (flatten_optimizer_state_dict=True) leaves when the "
-            "live optimizer holds no state for the parameter: set_optimizer_state_dict reads only the state keys "
-            "the live optimizer has, and a Gefen optimizer has state only after its first step with a gradient, "
-            "so the saved state was not read. Load with flatten_optimizer_state_dict=False (or torch.load and "
-            "load_state_dict), or take the first step before loading."
-        )
-    if not any(isinstance(v, Mapping) and not v for v in saved.values()):
-        return saved
-    return {k: v for k, v in saved.items() if not (isinstance(v, Mapping) and not v)}
-
-
 def _stage_rows(
     value: Tensor,
     key: str,
@@ -776,33 +716,8 @@ def stage_load(
             shard=None if shard_of is None else shard_of(param),
         )
     codebook = meta.codebook
-    live_codebook = None if live_metadata is None else live_metadata.get("codebook")
-    if (
-        not meta.assembled
-        and live_state is not None
-        and live_codebook is not None
-        and codebook is not None
-        and not _other_codebook(codebook, live_codebook)
-        and meta.global_step == live_metadata.get("global_step")  # type: ignore[union-attr]
-    ):
-        for pid, (param, _, name) in index_to_param.items():
-            if param in new_state and not _same_codes(new_state[param], live_state.get(param)):
-                raise CheckpointError(
-                    f"checkpoint state[{pid!r}] ({name}) is not this optimizer's, but the dict's metadata (codebook, "
-                    "global step) is this optimizer's own: the state was quantized against another codebook. A "
-                    "load pre-hook built the dict from the live state_dict() and copied per-parameter state from a "
-                    "checkpoint without its metadata; copy the saved groups' 'gefen_metadata' (and any top-level "
-                    "'gefen' entry) too."
-                )
-    if meta.assembled and live_state is not None and _other_codebook(codebook, live_codebook):
-        for pid, (param, _, name) in index_to_param.items():
-            if param in new_state and _same_codes(new_state[param], live_state.get(param)):
-                raise CheckpointError(
-                    f"checkpoint state[{pid!r}] ({name}) is this optimizer's own live state, quantized against its "
-                    "codebook, but the dict's metadata is the checkpoint's, whose codebook differs: a load pre-hook "
-                    "mixed the state of two optimizers. Copy every parameter's state from the checkpoint, or give "
-                    "the parameters it lacks zero counters {'step': 0, 'period': 0} (no state)."
-                )
+    names = {param: (pid, name) for pid, (param, _, name) in index_to_param.items()}
+    check_codebook_provenance(new_state, names, meta.assembled, codebook, meta.global_step, live_metadata, live_state)
     if codebook is None and any(isinstance(k, Tensor) for k in new_state):
         raise CheckpointError(
             "checkpoint has quantized first moments but no frozen codebook (neither at the top level nor in the "
