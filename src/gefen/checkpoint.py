@@ -7,7 +7,7 @@ state dict.
      "param_groups": [{..., "gefen_metadata": <the same dict>}, ...],
      "gefen": {"schema_version": 3, "optimizer": "Gefen", "period_search": "<variant>",
                "codebook": fp32 (256,) tensor (absent before the first step), "global_step": int,
-               "deterministic": bool, "skipped_steps": int}}
+               "deterministic": bool, "skipped_steps": int, "stateful_params": int}}
 
 A parameter without state yet (before its first gradient) is saved as zero counters ``{"step": 0, "period": 0}``:
 ``torch.distributed.checkpoint``'s full-state load can only merge 0-dim entries the live dict already has.
@@ -37,6 +37,8 @@ Schema history:
   under the live one).
 * 3 — adds ``skipped_steps`` (steps skipped for NaN/Inf gradients under ``nonfinite="skip"``); a v2 checkpoint
   migrates with 0.
+* 4 — adds ``stateful_params`` (how many parameters hold state), which tells a flattened DCP load whose rebuild
+  dropped state from one that had none to drop; a v3 checkpoint migrates with ``None`` (unknown).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.checkpoint_interop import check_codebook_provenance, drop_flattened_stand_ins
+from gefen.checkpoint_interop import check_codebook_provenance, check_flattened_loss, drop_flattened_stand_ins
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
@@ -77,7 +79,7 @@ __all__ = [
 ]
 
 #: Version of the layout above. Bump it (and add a migration to :data:`MIGRATIONS`) whenever the layout changes.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Top-level key of the metadata entry.
 METADATA_KEY = "gefen"
 #: Key of the metadata mirror inside every saved param group.
@@ -88,7 +90,12 @@ LIVE_GROUP_CARRIERS: dict[str, Any] = {GROUP_METADATA_KEY: None}
 
 
 def build_metadata(
-    optimizer_kind: str, codebook: Tensor | None, global_step: int, deterministic: bool, skipped_steps: int = 0
+    optimizer_kind: str,
+    codebook: Tensor | None,
+    global_step: int,
+    deterministic: bool,
+    skipped_steps: int = 0,
+    stateful_params: int = 0,
 ) -> dict[str, Any]:
     """The metadata entry written next to ``state`` and ``param_groups``.
 
@@ -98,6 +105,7 @@ def build_metadata(
         global_step: number of completed ``step()`` calls that updated anything.
         deterministic: the optimizer's ``deterministic`` policy.
         skipped_steps: number of ``step()`` calls skipped for NaN/Inf gradients (``nonfinite="skip"``).
+        stateful_params: number of parameters holding state (this rank's, for a sharded optimizer).
 
     Returns:
         A dict of plain values (the codebook is cloned so later steps cannot change a saved dict).
@@ -110,6 +118,7 @@ def build_metadata(
         "global_step": int(global_step),
         "deterministic": bool(deterministic),
         "skipped_steps": int(skipped_steps),
+        "stateful_params": int(stateful_params),
     }
 
 
@@ -134,8 +143,17 @@ def _migrate_v2_to_v3(meta: dict[str, Any]) -> dict[str, Any]:
     return {**meta, "schema_version": 3, "skipped_steps": 0}
 
 
+def _migrate_v3_to_v4(meta: dict[str, Any]) -> dict[str, Any]:
+    """v3 did not count the parameters holding state: unknown."""
+    return {**meta, "schema_version": 4, "stateful_params": None}
+
+
 #: ``version -> function`` taking a metadata dict of that version to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate_v1_to_v2, 2: _migrate_v2_to_v3}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _migrate_v1_to_v2,
+    2: _migrate_v2_to_v3,
+    3: _migrate_v3_to_v4,
+}
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,7 @@ class Metadata:
         global_step: ``>= 0``.
         deterministic: the saved policy, or ``None`` for an untagged (v1) checkpoint.
         skipped_steps: ``>= 0``, steps skipped for NaN/Inf gradients (0 for checkpoints before schema 3).
+        stateful_params: ``>= 0``, parameters holding state, ``None`` for checkpoints before schema 4.
         assembled: the dict held the loading optimizer's own metadata copies too, overruled by the checkpoint's
             (a load pre-hook built it from the live ``state_dict()``; see :func:`read_metadata`).
     """
@@ -160,6 +179,7 @@ class Metadata:
     deterministic: bool | None
     skipped_steps: int = 0
     assembled: bool = False
+    stateful_params: int | None = None
 
 
 _INT64_MAX = 2**63 - 1
@@ -308,7 +328,12 @@ def read_metadata(
     skipped = _int_counter(meta.get("skipped_steps"), "checkpoint skipped_steps")
     if skipped < 0:
         raise CheckpointError(f"checkpoint skipped_steps={skipped} must be >= 0.")
-    return Metadata(saved_version, kind, codebook, global_step, deterministic, skipped, assembled)
+    stateful = meta.get("stateful_params")
+    if stateful is not None:
+        stateful = _int_counter(stateful, "checkpoint stateful_params")
+        if stateful < 0:
+            raise CheckpointError(f"checkpoint stateful_params={stateful} must be >= 0.")
+    return Metadata(saved_version, kind, codebook, global_step, deterministic, skipped, assembled, stateful)
 
 
 def stage_param_state(
@@ -615,8 +640,8 @@ def stage_load(
             ``None``: every live key is required.
         live_metadata, live_state: the loading optimizer's own metadata (as its ``state_dict()`` writes it) and
             its ``state``, for a dict a load pre-hook assembled from the live ``state_dict()`` and a checkpoint
-            (see :func:`read_metadata`): the checkpoint's metadata wins, and a parameter whose state is still the
-            live optimizer's (codes quantized against another codebook) is refused.
+            (see :func:`read_metadata`): the checkpoint's metadata wins; and a parameter whose state is still the
+            live optimizer's (codes quantized against another codebook than the one loaded) is refused.
 
     Returns:
         :class:`StagedLoad`.
@@ -693,6 +718,7 @@ def stage_load(
         new_groups.append(group)
 
     new_state: dict[Any, Any] = {}
+    emptied: list[str] = []
     for pid, saved_state in state_dict["state"].items():
         if pid not in index_to_param:
             if isinstance(pid, int):
@@ -703,8 +729,11 @@ def stage_load(
             continue
         param, group, name = index_to_param[pid]
         where = f"checkpoint state[{pid}] ({name})"
-        saved_state = drop_flattened_stand_ins(saved_state, where, meta.global_step)
-        if saved_state is None or is_placeholder(saved_state):  # the stand-in for "no state yet"
+        saved_state = drop_flattened_stand_ins(saved_state)
+        if saved_state is None:  # a whole entry DCP's flattened rebuild left empty: checked below
+            emptied.append(f"{where}")
+            continue
+        if is_placeholder(saved_state):  # the stand-in for "no state yet"
             continue
         new_state[param] = stage_param_state(
             saved_state,
@@ -716,8 +745,10 @@ def stage_load(
             shard=None if shard_of is None else shard_of(param),
         )
     codebook = meta.codebook
+    check_flattened_loss(emptied, sum(isinstance(k, Tensor) for k in new_state), meta.stateful_params, meta.global_step)
     names = {param: (pid, name) for pid, (param, _, name) in index_to_param.items()}
-    check_codebook_provenance(new_state, names, meta.assembled, codebook, meta.global_step, live_metadata, live_state)
+    live_codebook = None if live_metadata is None else live_metadata.get("codebook")
+    check_codebook_provenance(new_state, names, codebook, live_codebook, live_state)
     if codebook is None and any(isinstance(k, Tensor) for k in new_state):
         raise CheckpointError(
             "checkpoint has quantized first moments but no frozen codebook (neither at the top level nor in the "

@@ -44,6 +44,7 @@ __all__ = [
     "HYBRID_METADATA_KEY",
     "HYBRID_SCHEMA_VERSION",
     "HybridHalves",
+    "hybrid_metadata",
     "build_hybrid_state_dict",
     "check_adamw_state",
     "is_hybrid_state_dict",
@@ -81,6 +82,17 @@ class HybridHalves:
     extra_state: dict[Any, Any] = field(default_factory=dict)
 
 
+def hybrid_metadata(backup_optimizer: str, deterministic: bool, skipped_steps: int) -> dict[str, Any]:
+    """The ``gefen_hybrid`` entry of a hybrid with these settings (see the module docstring)."""
+    return {
+        "schema_version": HYBRID_SCHEMA_VERSION,
+        "optimizer": "GefenMuonHybrid",
+        "backup_optimizer": backup_optimizer,
+        "deterministic": bool(deterministic),
+        "skipped_steps": int(skipped_steps),
+    }
+
+
 def build_hybrid_state_dict(
     halves: Mapping[str, dict[str, Any] | None],
     backup_optimizer: str,
@@ -99,13 +111,7 @@ def build_hybrid_state_dict(
     Returns:
         The dict above; the children's tensors are shared, not copied (as ``torch.optim`` does).
     """
-    meta = {
-        "schema_version": HYBRID_SCHEMA_VERSION,
-        "optimizer": "GefenMuonHybrid",
-        "backup_optimizer": backup_optimizer,
-        "deterministic": bool(deterministic),
-        "skipped_steps": int(skipped_steps),
-    }
+    meta = hybrid_metadata(backup_optimizer, deterministic, skipped_steps)
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     offset = 0
@@ -140,7 +146,10 @@ def is_hybrid_state_dict(state_dict: object) -> bool:
 
 
 def split_hybrid_state_dict(
-    state_dict: object, backend: str | None = None, deterministic: bool | None = None
+    state_dict: object,
+    backend: str | None = None,
+    deterministic: bool | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> HybridHalves:
     """Take a hybrid checkpoint apart into its halves' own state dicts (never modifies the caller's dict).
 
@@ -148,6 +157,9 @@ def split_hybrid_state_dict(
         state_dict: the untrusted dict, in torch's layout or the older halves layout.
         backend: the live hybrid's ``backup_optimizer`` (``None``: not compared, e.g. offline inspection).
         deterministic: the live hybrid's policy (``None``: not compared).
+        live: the live hybrid's own ``gefen_hybrid`` entry (:func:`hybrid_metadata`): in a dict a load pre-hook
+            assembled from the live ``state_dict()`` (the live entry at the top level, the checkpoint's in every
+            group mirror), the mirrors win, as for a Gefen half (:func:`gefen.checkpoint.read_metadata`).
 
     Returns:
         :class:`HybridHalves`.
@@ -177,7 +189,7 @@ def split_hybrid_state_dict(
     state = state_dict.get("state")
     if not isinstance(state, Mapping):
         raise CheckpointError(f"hybrid checkpoint 'state' must be a dict, got {type(state).__name__}.")
-    meta = _hybrid_metadata(state_dict)
+    meta = _hybrid_metadata(state_dict, live)
     halves: dict[str, dict[str, Any]] = {}
     listed: set[Any] = set()
     for g, group in enumerate(state_dict["param_groups"]):
@@ -232,12 +244,22 @@ def _copy(half: Any) -> Any:
     return dict(half) if isinstance(half, Mapping) else half
 
 
-def _hybrid_metadata(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The hybrid metadata: the top-level entry and/or the group mirrors, which must agree; validated."""
+def _hybrid_metadata(state_dict: Mapping[str, Any], live: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The hybrid metadata: the top-level entry and/or the group mirrors, which must agree (or, in a dict assembled
+    from the live one, the mirrors win over the live top-level entry); validated."""
     top = state_dict.get(HYBRID_METADATA_KEY)
     mirrors = [g.get(HYBRID_METADATA_KEY) for g in state_dict["param_groups"] if isinstance(g, Mapping)]
     present = [m for m in mirrors if m is not None]
     candidates = ([top] if top is not None else []) + present
+    if (
+        live is not None
+        and isinstance(top, Mapping)
+        and present
+        and all(isinstance(m, Mapping) for m in present)
+        and _same_metadata(top, live)
+        and all(_same_metadata(m, present[0]) for m in present)
+    ):
+        candidates = present
     if not candidates:
         raise CheckpointError(
             f"not a GefenMuonHybrid checkpoint: the '{HYBRID_METADATA_KEY}' entry is missing at the top level and "

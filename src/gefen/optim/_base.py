@@ -49,8 +49,14 @@ __all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
 def _live_metadata(optimizer: GefenOptimizer) -> dict[str, Any]:
     """The metadata entry ``state_dict()`` writes for ``optimizer`` now."""
+    stateful = sum(1 for g in optimizer.param_groups for p in g["params"] if STEP in optimizer.state.get(p, ()))
     meta = build_metadata(
-        optimizer.kind, optimizer._codebook, optimizer.global_step, optimizer.deterministic, optimizer.skipped_steps
+        optimizer.kind,
+        optimizer._codebook,
+        optimizer.global_step,
+        optimizer.deterministic,
+        optimizer.skipped_steps,
+        stateful,
     )
     meta["device_anchor"] = torch.zeros(1, dtype=torch.uint8, device=optimizer._codebook_device())
     if meta["codebook"] is None:  # DCP's full-state merge keeps a live None over the checkpoint's codebook
@@ -77,9 +83,8 @@ def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> 
     index = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if STEP not in optimizer.state.get(p, ()):
-                placeholder = placeholder_state(optimizer._second_moment_kind(p, group))
-                state_dict["state"].setdefault(index, placeholder)
+            if STEP not in optimizer.state.get(p, ()):  # also an empty entry a mere read of the defaultdict made
+                state_dict["state"][index] = placeholder_state(optimizer._second_moment_kind(p, group))
             index += 1
 
 

@@ -35,6 +35,7 @@ from gefen.checkpoint_hybrid import (
     HYBRID_METADATA_KEY,
     build_hybrid_state_dict,
     check_adamw_state,
+    hybrid_metadata,
     split_hybrid_state_dict,
 )
 from gefen.compiled import host_only
@@ -217,6 +218,12 @@ class _StateView(MutableMapping):  # type: ignore[type-arg]
 
     def __getitem__(self, key: Any) -> Any:
         return self._table(key)[key]
+
+    def __contains__(self, key: object) -> bool:  # without creating an entry, as a defaultdict's ``in``
+        return key in self._table(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:  # without creating an entry, as a defaultdict's ``get``
+        return self._table(key).get(key, default)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._table(key)[key] = value
@@ -704,7 +711,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             out = hook(self, sd)
             if out is not None:
                 sd = out
-        split = split_hybrid_state_dict(sd, self.backup_optimizer, self.deterministic)
+        live = hybrid_metadata(self.backup_optimizer, self.deterministic, self._skipped_steps)
+        split = split_hybrid_state_dict(sd, self.backup_optimizer, self.deterministic, live)
         halves = {"muon": split.muon, "backup": split.backup}
         for half, child in (("muon", self.muon), ("backup", self.backup)):
             if (halves[half] is None) != (child is None):
