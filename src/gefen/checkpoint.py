@@ -395,7 +395,9 @@ def stage_param_state(
     if shard is not None and shard.row_length % period != 0:
         raise CheckpointError(
             f"{where}['{PERIOD}']={period} does not divide the row length {shard.row_length} of the sharded "
-            f"parameter {tuple(shape)}: its blocks straddle rows, which a Shard(0) layout cannot split."
+            f"parameter {tuple(shape)}: its blocks straddle rows, which a Shard(0) layout cannot split. It was saved "
+            "under gefen's earlier free period rule: resume that run in one process, or give this parameter zero "
+            "counters {'step': 0, 'period': 0} (its moments restart)."
         )
     spec = state_spec(tuple(shape), period, kind)
     if set(saved) != set(spec):

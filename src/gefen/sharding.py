@@ -5,7 +5,8 @@ Gefen supports the layout FSDP2's ``fully_shard`` produces: a DTensor on a 1-D `
 ``Shard(0)`` placement, rows split by ``torch.chunk`` arithmetic (``ceil(R / world)`` rows per rank, trailing ranks
 possibly empty). Every optimizer's DTensor parameters must share one mesh.
 
-**State layout.** Blocks never straddle rows: the period ``P`` divides the row length ``L = numel / R``, so the
+**State layout.** Blocks never straddle rows (the one period rule of every parameter, sharded or not:
+:func:`gefen.math.period.row_aligned_period`): the period ``P`` divides the row length ``L = numel / R``, so the
 ``k = L / P`` blocks of a row live on the rank that holds the row. The state of a sharded parameter is therefore
 sharded exactly like the parameter, as DTensors on the same mesh with ``Shard(0)``:
 
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 from gefen.errors import ConfigError
-from gefen.state import FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, NORMUON_V, SECOND_MOMENT
+from gefen.state import FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, NORMUON_V, SECOND_MOMENT, SECOND_MOMENT_ROW
 
 __all__ = [
     "RowShard",
@@ -43,7 +44,6 @@ __all__ = [
     "row_shard",
     "local",
     "chunk_rows",
-    "row_period",
     "sharded_shape",
     "as_sharded",
     "gather_rows",
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 #: State keys whose tensors are sharded by rows (DTensors with ``Shard(0)``) for a sharded parameter.
-SHARDED_KEYS = (FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, SECOND_MOMENT, NORMUON_V)
+SHARDED_KEYS = (FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, SECOND_MOMENT, NORMUON_V, SECOND_MOMENT_ROW)
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -148,20 +148,6 @@ def row_shard(param: Tensor, where: str) -> RowShard | None:
     return RowShard(mesh, mesh.get_group(), rank, world, shape, start, stop)
 
 
-def row_period(period: int, row_length: int) -> int:
-    """The period of a sharded parameter from the single-process ``period`` of its full gradient: unchanged
-    when it divides the row length ``L``, else ``L`` (blocks spanning rows become one block per row) or, for a
-    period that does not tile rows, the largest divisor of ``L`` below it. Blocks then never straddle rows (or
-    ranks). Source: algorithm.md §3 (period search), restricted here to row-aligned blocks."""
-    from gefen.math.period import largest_divisor_at_most
-
-    if row_length % period == 0:
-        return period
-    if period > row_length:
-        return row_length
-    return largest_divisor_at_most(row_length, period)
-
-
 def local(tensor: Tensor) -> Tensor:
     """The local part of a DTensor (a view sharing its storage), or ``tensor`` itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
@@ -170,7 +156,7 @@ def local(tensor: Tensor) -> Tensor:
 def sharded_shape(key: str, shape: tuple[int, ...], period: int, rows: int) -> tuple[int, ...]:
     """Global shape of sharded state ``key`` for a single-process shape ``shape`` (``(B, P)``, ``(B,)`` or
     ``(R,)``) of a parameter with ``rows`` rows: ``(R, k, P)``, ``(R, k)`` or ``(R,)``."""
-    if key == NORMUON_V:
+    if key in (NORMUON_V, SECOND_MOMENT_ROW):
         return (rows,)
     blocks_per_row = shape[0] // rows
     return (rows, blocks_per_row, period) if key == FIRST_MOMENT_CODES else (rows, blocks_per_row)
@@ -282,7 +268,7 @@ def init_sharded_state(target: Tensor, shard: RowShard, period: int, kind: Any, 
         target: this rank's rows of the parameter, ``(R_local,) + shape[1:]``.
         shard: the parameter's :class:`RowShard`.
         period: ``P`` dividing the row length.
-        kind: second-moment kind (``"block"``, ``"momentum"`` or ``"momentum_normuon"``).
+        kind: second-moment kind (``"block"``, ``"factored"``, ``"momentum"`` or ``"momentum_normuon"``).
         zero_code: index of the codebook's exact zero.
     """
     from gefen.state import init_state

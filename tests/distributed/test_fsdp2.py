@@ -2,9 +2,9 @@
 
 * Gefen and GefenMuon (``exact``, ``distributed``) equal the single-process optimizers bit for bit on this CPU:
   the state is sharded by rows, the period comes from the full gradient and the codebook from the summed
-  histogram, so every rank computes exactly its rows of the single-process step. The test model has no 1-D
-  parameters (a 1-D sharded parameter has one-element blocks, see ``gefen.sharding``) and every rank feeds the
-  same batch, so FSDP's averaged gradient is the single-process gradient. The documented tolerance in general
+  histogram, so every rank computes exactly its rows of the single-process step. Every rank feeds the same
+  batch, so FSDP's averaged gradient is the single-process gradient (``test_one_optimizer.py`` covers the default
+  options: factored moment, biases, a period the row rule cuts). The documented tolerance in general
   (other hardware, NorMuon's two cross-rank sums) is float summation order; here it is zero.
 * ``approx`` differs by design but trains and keeps the ranks consistent.
 * The hybrid runs on FSDP2 with either backup.
@@ -25,7 +25,7 @@ VOCAB = 64
 
 def model_fn(bias: bool = False) -> torch.nn.Module:
     """A tiny LM; 64 rows split unevenly over 3 ranks (22, 22, 20). Its single-process periods divide the row
-    lengths, which is when the sharded period equals them (``gefen.sharding.row_period``)."""
+    lengths, which the row rule (``gefen.math.period.row_aligned_period``) keeps as they are."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Embedding(VOCAB, 32),
@@ -38,7 +38,7 @@ def model_fn(bias: bool = False) -> torch.nn.Module:
 def build(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     named = list(model.named_parameters())
     if kind == "gefen":
-        # a sharded 2-D weight uses the block second moment: compare with the same choice in one process
+        # the block second moment here (the default factored one is covered by test_one_optimizer.py)
         return gefen.Gefen(named, lr=1e-2, weight_decay=0.01, fused=False, factored_v_2d=False)
     if kind.startswith("muon_"):
         hidden = [(n, p) for n, p in named if p.dim() == 2 and not n.startswith("0.")]
@@ -138,8 +138,8 @@ def test_muon_approx_trains_and_differs_from_exact():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hybrid_gefen", "hybrid_adamw"])
 def test_hybrid_on_fsdp2_trains_like_single_process(kind):
-    """With biases: the backup's 1-D parameters use one-element blocks when sharded (Gefen backup), so the
-    trajectories agree to a documented tolerance (1 % of the loss) rather than bit for bit."""
+    """With biases, either backup: the hybrid trains on FSDP2 and its trajectory agrees with one process within the
+    documented tolerance (1 % of the loss)."""
     results = run_world(_sharded_job, 2, kind, 8, True)
     reference = _single(kind, 8, bias=True)
     for r in results:

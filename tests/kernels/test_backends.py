@@ -229,3 +229,93 @@ def test_native_rows_of_a_sharded_parameter_equal_the_whole(level: str) -> None:
         run(rows, lo, hi)
     for key in whole:
         assert torch.equal(whole[key], rows[key]), key
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_factored_rows_with_the_reduce_equal_the_whole(level: str) -> None:
+    """FSDP2's factored moment: the row slices of a matrix (as on 3 uneven ranks), each with its own copy of the
+    column moment, stepped in one call whose reduce sums their column sums and row-moment totals (as the
+    all-reduce does), equal the native step of the whole matrix (the float64 sums are exact for this data)."""
+    native.force_level(level)
+    gen = torch.Generator().manual_seed(11)
+    rows, cols, period = 30, 40, 20
+    p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen))
+    opt = gefen.Gefen([p], lr=1e-2, backend="eager")
+    p.grad = _grad((rows, cols), period, gen)
+    opt.step()
+    view = ParamState.from_dict(opt.state[p])
+    table = opt._nearest_table(torch.device("cpu"))
+    tables = (table.codebook, table.lut, table.thresholds)
+    grad = _grad((rows, cols), period, gen)
+    per_row = cols // view.period
+
+    def state() -> dict[str, torch.Tensor]:
+        return {"param": p.detach().clone(), "codes": view.codes.clone(), "scale": view.scale.clone(),
+                "v_row": view.second_moment_row.clone(), "v_col": view.second_moment_col.clone()}
+
+    def record(st: dict[str, torch.Tensor], lo: int, hi: int, global_rows: int = 0, offset: int = 0):
+        b0, b1 = lo * per_row, hi * per_row
+        call = dict(grad=grad[lo:hi].reshape(-1), codes=st["codes"][b0:b1], scale=st["scale"][b0:b1], tables=tables,
+                    steps=table.steps, period=view.period, param=st["param"][lo:hi].reshape(-1),
+                    second=(st["v_row"][lo:hi], st["v_col"]), shape=(hi - lo, cols))
+        return native.record("factored", **call, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.1,
+                             step=2, global_rows=global_rows, reduce_offset=offset), call
+
+    whole = state()
+    rec, keep = record(whole, 0, rows)
+    native.run_records([rec])
+    slices = ((0, 10), (10, 20), (20, 30))
+    shards = [state() for _ in slices]
+    records, calls = [], []
+    for k, ((lo, hi), st) in enumerate(zip(slices, shards)):
+        rec, call = record(st, lo, hi, global_rows=rows, offset=k * (cols + 1))
+        records.append(rec)
+        calls.append(call)
+    buffer = torch.zeros(len(slices) * (cols + 1) + 1, dtype=torch.float64)
+    seen = []
+
+    def reduce(b: torch.Tensor) -> None:  # what an all-reduce over the three "ranks" gives each of them
+        seen.append(float(b[-1]))
+        pieces = b[:-1].view(len(slices), cols + 1)
+        pieces.copy_(pieces.sum(0).expand_as(pieces))
+
+    native.run_records(records, buffer, reduce)
+    assert seen == [0.0]  # called once, no rank failed
+    for (lo, hi), st in zip(slices, shards):
+        b0, b1 = lo * per_row, hi * per_row
+        assert torch.equal(st["param"][lo:hi], whole["param"][lo:hi])
+        assert torch.equal(st["codes"][b0:b1], whole["codes"][b0:b1])
+        assert torch.equal(st["v_row"][lo:hi], whole["v_row"][lo:hi])
+        assert torch.equal(st["v_col"], whole["v_col"])
+
+
+def test_native_reduce_failure_changes_nothing() -> None:
+    """A reduce that fails (another rank's error, or a broken collective) refuses the step with nothing written."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(30, 40, generator=gen))
+    opt = gefen.Gefen([p], lr=1e-2, backend="eager")
+    p.grad = torch.randn(30, 40, generator=gen)
+    opt.step()
+    view = ParamState.from_dict(opt.state[p])
+    table = opt._nearest_table(torch.device("cpu"))
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    param_before = p.detach().clone()
+    rec = native.record("factored", grad=torch.randn(1200, generator=gen), codes=view.codes, scale=view.scale,
+                        tables=(table.codebook, table.lut, table.thresholds), steps=table.steps, period=view.period,
+                        beta1=0.9, param=p.detach().view(-1), second=(view.second_moment_row, view.second_moment_col),
+                        shape=(30, 40), beta2=0.999, eps=1e-8, lr=1e-2, step=2, global_rows=60, reduce_offset=0)
+
+    def other_rank_failed(b: torch.Tensor) -> None:
+        b[-1] += 1.0
+
+    def broken(b: torch.Tensor) -> None:
+        raise OSError("collective failed")
+
+    with pytest.raises(RuntimeError, match="another rank failed"):
+        native.run_records([rec], torch.zeros(42, dtype=torch.float64), other_rank_failed)
+    with pytest.raises(OSError, match="collective failed"):
+        native.run_records([rec], torch.zeros(42, dtype=torch.float64), broken)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):  # a sharded record needs the reduce form
+        native.run_records([rec])
+    assert torch.equal(p.detach(), param_before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())

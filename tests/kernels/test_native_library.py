@@ -207,6 +207,30 @@ ASAN_SCRIPT = textwrap.dedent(
                                            param=None if kind == "momentum" else param, second=second, out=out,
                                            beta2=0.999, eps=1e-8, lr=1e-3, weight_decay=0.1, step=3)
                         cases += 1
+    # the row-sharded factored form: pieces at the end of an exactly sized reduce buffer, a rank without records,
+    # and the failure paths
+    for level in levels:
+        native.force_level(level)
+        for rows, cols, period in ((1, 1, 1), (3, 7, 7), (5, 130, 65), (17, 241, 241)):
+            n = rows * cols
+            parts = []
+            for k in range(2):
+                st = dict(grad=torch.randn(n, generator=gen),
+                          codes=torch.zeros((n // period, period), dtype=torch.uint8),
+                          scale=torch.rand(n // period, generator=gen), param=torch.randn(n, generator=gen),
+                          second=(torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)))
+                parts.append(native.record("factored", **st, tables=tables, steps=table.steps, period=period,
+                                           beta1=0.9, shape=(rows, cols), beta2=0.999, eps=1e-8, lr=1e-3, step=3,
+                                           global_rows=2 * rows, reduce_offset=k * (cols + 1)))
+                parts.append(st)
+            buffer = torch.zeros(2 * (cols + 1) + 1, dtype=torch.float64)
+            native.run_records(parts[0::2], buffer, lambda b: None)
+            native.run_records([], torch.zeros(3, dtype=torch.float64), lambda b: None)
+            try:
+                native.run_records(parts[0::2], torch.zeros(2 * (cols + 1) + 1, dtype=torch.float64),
+                                   lambda b: b.__setitem__(-1, 1.0))
+            except RuntimeError:
+                cases += 1
     # the first step's routines: the k-means layers and the histogram, on exactly sized arrays
     import numpy as np
     rng = np.random.default_rng(0)

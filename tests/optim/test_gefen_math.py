@@ -46,11 +46,11 @@ def test_steps_match_dense_float64_reference(shape, factored, weight_decay):
         codes = opt.state[param][FIRST_MOMENT_CODES].reshape(-1).tolist()
         mismatched = sum(a != b for a, b in zip(codes, ref.codes))
         assert mismatched <= 1, f"{mismatched} codes differ from the float64 reference"
+        want = torch.tensor(ref.scale, dtype=torch.float64)
+        # a 1-D parameter has one-element blocks (the row rule): a magnitude is one |m|, which can be tiny after
+        # cancellation, so the fp32 rounding is bounded against the largest magnitude too
         torch.testing.assert_close(
-            opt.state[param][FIRST_MOMENT_SCALE].double(),
-            torch.tensor(ref.scale, dtype=torch.float64),
-            rtol=1e-5,
-            atol=0,
+            opt.state[param][FIRST_MOMENT_SCALE].double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max())
         )
         torch.testing.assert_close(param.detach().double(), ref_param, rtol=1e-5, atol=1e-6)
 

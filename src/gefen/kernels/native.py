@@ -27,8 +27,10 @@ import math
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -102,7 +104,13 @@ class StepArgs(ctypes.Structure):
         ("inv_bc1", ctypes.c_float),
         ("bc2", ctypes.c_float),
         ("pad_", ctypes.c_float),
+        ("global_rows", ctypes.c_int64),
+        ("reduce_offset", ctypes.c_int64),
     ]
+
+
+#: The C ``gefen_reduce_fn``: sums a float64 buffer over the ranks in place, returns 0 on success.
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int64)
 
 
 def library_filename() -> str:
@@ -180,6 +188,8 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
         return None, NativeStatus(False, reason, path=str(path))
     lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gefen_step_many.restype = ctypes.c_int
+    lib.gefen_step_many_reduce.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, REDUCE_FN]
+    lib.gefen_step_many_reduce.restype = ctypes.c_int
     pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer, int64]
     lib.gefen_kmeans_centres.restype = ctypes.c_int
@@ -414,8 +424,14 @@ def record(
     weight_decay: float = 0.0,
     step: int = 1,
     threads: int | None = None,
+    global_rows: int = 0,
+    reduce_offset: int = 0,
 ) -> tuple[object, ...]:
     """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
+
+    ``global_rows > 0`` marks this rank's rows of a row-sharded (FSDP2) factored parameter with ``global_rows``
+    rows in all: its column sums and row-moment total go to ``reduce_offset`` in the buffer of
+    :func:`run_records`, which sums them over the ranks before the moments are updated.
 
     ``threads`` defaults to ``torch.get_num_threads()``. The per-step constants are computed in float64 exactly as
     the eager reference computes its Python scalars and
@@ -459,6 +475,8 @@ def record(
         1.0 / bc1,
         bc2,
         0.0,
+        global_rows,
+        reduce_offset,
     )
 
 
@@ -467,20 +485,53 @@ def _record_dtype() -> np.dtype:
     return np.dtype(StepArgs)
 
 
-def run_records(records: list[tuple[object, ...]]) -> None:
+def run_records(
+    records: list[tuple[object, ...]],
+    buffer: Tensor | None = None,
+    reduce: Callable[[Tensor], None] | None = None,
+) -> None:
     """Run the native steps of several parameters in one library call (two parallel loops over all of them).
 
     Args:
         records: from :func:`record`, for parameters that do not share any state tensor.
+        buffer: for row-sharded factored records (``global_rows > 0``): a zeroed float64 CPU tensor of
+            ``sum(cols + 1) + 1`` elements (their pieces at their ``reduce_offset``, then a status slot); every rank
+            passes the same length, also a rank without such a record (its pieces stay zero).
+        reduce: sums ``buffer`` over the ranks in place (an all-reduce); called exactly once when ``buffer`` is
+            given, between the statistics and the first write.
 
     Raises:
-        RuntimeError: the library is unavailable or rejected a record (nothing was changed then).
+        RuntimeError: the library is unavailable, rejected a record, or a rank failed (nothing was changed then,
+            on any rank).
+        Exception: what ``reduce`` raised (nothing was changed).
     """
     lib = _require()
-    if not records:
+    if not records and buffer is None:
         return
-    array = np.array(records, dtype=_record_dtype())
-    rc = lib.gefen_step_many(array.ctypes.data, len(records))
+    array = np.array(records, dtype=_record_dtype()) if records else None
+    if buffer is None:
+        rc = lib.gefen_step_many(array.ctypes.data if array is not None else None, len(records))
+    else:
+        if reduce is None or buffer.dtype != torch.float64 or buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("run_records needs a contiguous float64 CPU buffer and a reduce function")
+        failures: list[BaseException] = []
+
+        def call(pointer: Any, length: int) -> int:
+            try:
+                reduce(buffer)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the library returned
+                failures.append(exc)
+                return 1
+            return 0
+
+        callback = REDUCE_FN(call)
+        rc = lib.gefen_step_many_reduce(
+            array.ctypes.data if array is not None else None, len(records), buffer.data_ptr(), buffer.numel(), callback
+        )
+        if failures:
+            raise failures[0]
+        if rc == -3:
+            raise RuntimeError("gefen native step: another rank failed before the reduce; nothing was changed")
     if rc != 0:
         raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")
 

@@ -13,7 +13,8 @@ return new tensors. Nothing here knows about param groups or optimizer state dic
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ from gefen.math.codebook import decode
 from gefen.math.lookup import NearestCodeTable, gather, nearest_code_fast
 
 __all__ = [
+    "sharded_factored_second_moment_",
     "FLOAT32_TINY",
     "as_blocks",
     "bias_correction",
@@ -85,7 +87,8 @@ def block_second_moment_(v: Tensor, g_blocks: Tensor, beta2: float) -> Tensor:
 def factored_second_moment_(v_row: Tensor, v_col: Tensor, g: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
     """Adafactor row/column EMAs of the mean square, in place.
 
-    ``v_row <- β2·v_row + (1 − β2)·mean_c g_rc²`` and ``v_col <- β2·v_col + (1 − β2)·mean_r g_rc²``.
+    ``v_row <- β2·v_row + (1 − β2)·mean_c g_rc²`` and ``v_col <- β2·v_col + (1 − β2)·mean_r g_rc²``; the
+    column means come from float64 sums (as in the native kernel), so they do not depend on how rows are split.
 
     Args:
         v_row: (R,) fp32, updated in place.
@@ -100,8 +103,41 @@ def factored_second_moment_(v_row: Tensor, v_col: Tensor, g: Tensor, beta2: floa
     """
     sq = g.square()
     v_row.mul_(beta2).add_(sq.mean(dim=1), alpha=1.0 - beta2)
-    v_col.mul_(beta2).add_(sq.mean(dim=0), alpha=1.0 - beta2)
+    # the column means over float64 sums, as the native kernel and the row-sharded form take them: the same value
+    # however the rows are split (up to rare float64 rounding ties)
+    v_col.mul_(beta2).add_((sq.sum(dim=0, dtype=torch.float64) / g.shape[0]).to(torch.float32), alpha=1.0 - beta2)
     return v_row, v_col
+
+
+def sharded_factored_second_moment_(
+    v_row: Tensor, v_col: Tensor, g: Tensor, beta2: float, rows: int, reduce: Callable[[Tensor], Any]
+) -> Tensor:
+    """:func:`factored_second_moment_` for this rank's rows of a row-sharded (FSDP2 ``Shard(0)``) matrix.
+
+    A row's statistic is local; the column statistic and the mean of the row moments need every rank's rows: their
+    sums are taken in float64 (this rank's rows), summed over the ranks by ``reduce`` (one all-reduce of ``C + 1``
+    values), divided by ``rows`` and rounded to fp32 once, so the result does not depend on how the rows are split
+    (up to rare float64 rounding ties).
+
+    Args:
+        v_row: (r,) fp32, this rank's rows of the row moment, updated in place.
+        v_col: (C,) fp32, the column moment (the same on every rank), updated in place.
+        g: (r, C) fp32, this rank's rows of the gradient (``r`` may be 0).
+        beta2: decay in ``[0, 1)``.
+        rows: ``R``, the matrix's rows on all ranks.
+        reduce: sums a float64 tensor over the ranks in place (a collective: every rank calls it once).
+
+    Returns:
+        0-dim fp32: the mean of the updated row moment over all ``R`` rows (for :func:`factored_root_parts`).
+
+    Source: Shazeer & Stern 2018 (Adafactor); algorithm.md §6.4 steps 1–2, 4.
+    """
+    sq = g.square()
+    v_row.mul_(beta2).add_(sq.mean(dim=1), alpha=1.0 - beta2)
+    piece = torch.cat([sq.sum(dim=0, dtype=torch.float64), v_row.sum(dtype=torch.float64).view(1)])
+    reduce(piece)
+    v_col.mul_(beta2).add_((piece[:-1] / rows).to(torch.float32), alpha=1.0 - beta2)
+    return (piece[-1] / rows).to(torch.float32)
 
 
 def block_step_size(v: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
@@ -121,7 +157,7 @@ def block_step_size(v: Tensor, bc1: float, bc2: float, eps: float) -> Tensor:
     return ((v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)).unsqueeze(1)
 
 
-def factored_root_parts(v_row: Tensor, v_col: Tensor, bc2: float) -> tuple[Tensor, Tensor]:
+def factored_root_parts(v_row: Tensor, v_col: Tensor, bc2: float, mean: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Row and column factors of the bias-corrected root of the factored second moment.
 
     ``V̂_rc = v_row[r]·v_col[c] / max(mean(v_row), FLOAT32_TINY)`` and
@@ -133,13 +169,17 @@ def factored_root_parts(v_row: Tensor, v_col: Tensor, bc2: float) -> tuple[Tenso
         v_row: (R,) fp32 (already updated this step).
         v_col: (C,) fp32 (already updated this step).
         bc2: ``1 − β2^t`` (> 0).
+        mean: the mean of ``v_row`` over all rows when ``v_row`` holds only this rank's rows of a sharded matrix
+            (from :func:`sharded_factored_second_moment_`); default ``v_row.mean()``.
 
     Returns:
         ``(row, col)``: (R,) and (C,) fp32.
 
     Source: Shazeer & Stern 2018; algorithm.md §6.4 steps 4–5.
     """
-    normaliser = v_row.mean().clamp_min(FLOAT32_TINY) * bc2
+    if mean is None:  # a float64 sum, as in the native kernel and the row-sharded form
+        mean = (v_row.sum(dtype=torch.float64) / v_row.numel()).to(torch.float32)
+    normaliser = mean.clamp_min(FLOAT32_TINY) * bc2
     return (v_row / normaliser).sqrt_(), v_col.sqrt()
 
 

@@ -16,6 +16,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "row_aligned_period",
+    "PER_ELEMENT_LIMIT",
+    "MIN_ROW_LENGTH",
     "PERIOD_SEARCH_VARIANT",
     "MIN_BLOCKS",
     "PERIOD_CAP",
@@ -248,6 +251,50 @@ def _native_kernels():  # noqa: ANN202 - the module (imported late: gefen.kernel
     from gefen.kernels import native
 
     return native
+
+
+#: A tensor whose rows are too short to hold a block (fewer than :data:`MIN_ROW_LENGTH` elements, e.g. 1-D) takes
+#: per-element blocks up to this many elements (at most 9 bytes x 65,536 = 576 KiB); a larger one keeps blocks
+#: spanning rows, which a single process can hold and a row-sharded one cannot.
+PER_ELEMENT_LIMIT = 65_536
+#: Rows shorter than this cannot hold a useful block (see :data:`PER_ELEMENT_LIMIT`).
+MIN_ROW_LENGTH = 8
+
+
+def row_aligned_period(period: int, shape: tuple[int, ...], sharded: bool = False) -> int:
+    """The one block rule, with or without sharding: a block never straddles a row.
+
+    A row is a slice along dim 0 (``L = numel / shape[0]`` elements), the unit FSDP2's ``Shard(0)`` splits ranks
+    by, so with this rule the block geometry (and with it every state tensor) is the same on 1 or N ranks and a
+    checkpoint moves between them. The searched ``period`` is kept when it divides ``L``; a period spanning whole
+    rows becomes ``L`` (one block per row); one that does not tile rows becomes the largest divisor of ``L`` below
+    it. So a 1-D parameter (rows of one element) up to :data:`PER_ELEMENT_LIMIT` elements — biases, norm
+    weights — has one-element blocks: per-element statistics, as AdamW (the §3.5 ``force_1d_period_one`` choice).
+    One exception in a single process: a tensor with rows under :data:`MIN_ROW_LENGTH` elements and more than
+    :data:`PER_ELEMENT_LIMIT` elements keeps its searched period (per-element state would cost 9 bytes/param);
+    sharded, its blocks must stay in rows, so there the two differ. 0-D: unchanged.
+
+    Args:
+        period: the searched period (:func:`first_period`), dividing ``numel``.
+        shape: the parameter's (global) shape.
+        sharded: the parameter is row-sharded (no exception).
+
+    Returns:
+        ``P`` dividing ``numel`` (and ``L`` unless the exception applies).
+
+    Source: algorithm.md §3 (period search), restricted to row-aligned blocks by Gefen's sharding design.
+    """
+    if len(shape) == 0 or shape[0] == 0:
+        return period
+    numel = math.prod(shape)
+    row_length = numel // shape[0]
+    if row_length % period == 0:
+        return period
+    if not sharded and row_length < MIN_ROW_LENGTH and numel > PER_ELEMENT_LIMIT:
+        return period
+    if period > row_length:
+        return row_length
+    return largest_divisor_at_most(row_length, period)
 
 
 def first_period(

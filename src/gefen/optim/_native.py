@@ -14,7 +14,7 @@ from gefen.kernels.native import record as native_record
 from gefen.kernels.native import run_records
 from gefen.math.lookup import NearestCodeTable
 from gefen.optim._base import WorkItem
-from gefen.sharding import local_state
+from gefen.sharding import all_reduce_, local_state
 from gefen.state import (
     FIRST_MOMENT_CODES,
     FIRST_MOMENT_SCALE,
@@ -34,6 +34,11 @@ def run_native_jobs(
 ) -> None:
     """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs`` in one library call.
 
+    This rank's rows of row-sharded (FSDP2) factored parameters take their column statistics and the mean of the
+    row moments over all ranks: one float64 all-reduce of ``C + 1`` values per such matrix, all in one collective,
+    inside the call (between the statistics and the first write), so the factored moment is the one of the full
+    matrix, as in one process.
+
     The backend was chosen for CPU tensors of supported dtypes; the state tensors are the optimizer's own
     (created or validated by it), so only their layout is checked here, with the full argument check of
     :func:`gefen.kernels.native.native_step` for any that is not contiguous. The library checks every record
@@ -44,12 +49,19 @@ def run_native_jobs(
     records, keep, copies, steps = [], [], [], []
     hyper: dict[int, tuple[float, ...]] = {}
     threads = torch.get_num_threads()
+    reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
     for item, group in jobs:
         state = local_state(states[item.param])
         codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
         steps.append(step)
         param = item.target.detach()  # this rank's rows of a sharded parameter
         numel = param.numel()
+        sharded_factored = item.shard is not None and state.get(SECOND_MOMENT_ROW) is not None
+        offset = reduce_length
+        if sharded_factored:  # its piece of the buffer, also on a rank that holds none of its rows
+            assert item.shard is not None
+            reduce_length += item.shard.row_length + 1
+            group_of_shards = item.shard.group
         if numel == 0:
             continue
         work = param if param.is_contiguous() else param.contiguous()
@@ -95,9 +107,15 @@ def run_native_jobs(
                 weight_decay=weight_decay,
                 step=int(step) + 1,
                 threads=threads,
+                global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,
+                reduce_offset=offset if sharded_factored else 0,
             )
         )
-    run_records(records)
+    if reduce_length:
+        buffer = torch.zeros(reduce_length + 1, dtype=torch.float64)  # + the status slot
+        run_records(records, buffer, lambda b: all_reduce_(b, group_of_shards, "sum"))
+    else:
+        run_records(records)
     for param, work in copies:
         param.copy_(work)
     torch._foreach_add_(steps, 1)

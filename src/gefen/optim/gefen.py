@@ -49,9 +49,10 @@ from gefen.math.moments import (
     factored_denominator,
     factored_root_parts,
     factored_second_moment_,
+    sharded_factored_second_moment_,
     update_quantized_moment,
 )
-from gefen.math.period import find_period, first_period
+from gefen.math.period import PER_ELEMENT_LIMIT, find_period, first_period, row_aligned_period
 from gefen.optim._base import GefenOptimizer, WorkItem
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
@@ -59,9 +60,7 @@ from gefen.sharding import (
     collective_device,
     gather_rows,
     init_sharded_state,
-    is_dtensor,
     local_state,
-    row_period,
 )
 from gefen.state import (
     STEP,
@@ -127,6 +126,14 @@ _CHUNK_ELEMENTS = 1 << 17
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
 
 
+def _per_element(shape: tuple[int, ...], sharded: bool = False) -> bool:
+    """Whether the row rule gives a parameter of ``shape`` one-element blocks whatever its gradient (rows of one
+    element: 1-D, ``(N, 1)``, 0-D), so its period search can be skipped (see ``row_aligned_period``)."""
+    numel = math.prod(shape)
+    rows_of_one = not shape or (shape[0] > 0 and numel // shape[0] == 1)
+    return rows_of_one and (sharded or numel <= PER_ELEMENT_LIMIT)
+
+
 class Gefen(GefenOptimizer):
     r"""AdamW with ~1 byte/param of state: 8-bit codebook first moment, block or factored second moment.
 
@@ -150,16 +157,20 @@ class Gefen(GefenOptimizer):
 
     The first ``step()`` that sees gradients does two things once, before any update:
 
-    * **period search** per parameter from its first gradient (algorithm.md §3.2 + the §3.4 fallback); the
-      period is frozen and checkpointed. A parameter that first gets a gradient later is searched then, and
-      starts its own bias-correction warm-up (per-parameter ``step`` counters).
+    * **period search** per parameter from its first gradient (algorithm.md §3.2 + the §3.4 fallback), then the
+      one block rule of every parameter, sharded or not (:func:`gefen.math.period.row_aligned_period`): a block
+      never straddles a row (dim-0 slice), and a 1-D parameter has one-element blocks. The period is frozen and
+      checkpointed. A parameter that first gets a gradient later is searched then, and starts its own
+      bias-correction warm-up (per-parameter ``step`` counters).
     * **codebook**: one 256-code fp32 codebook per optimizer, fitted by exact optimal 1-D k-means on the
       4096-bin histogram of block-normalised gradients of every parameter with a gradient, ±1 pinned and an
       exact 0 code (algorithm.md §4, §13.2, §13.10). Frozen and checkpointed.
 
     State per parameter (see :mod:`gefen.state`): uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, fp32 second
     moment ``(B,)`` or ``(R,) + (C,)`` when factored, int64 ``step`` and ``period``: about
-    ``1 + 4/P + 4(R+C)/N`` bytes/param for factored 2-D weights and ``1 + 8/P`` for block tensors.
+    ``1 + 4/P + 4(R+C)/N`` bytes/param for factored 2-D weights, ``1 + 8/P`` for block tensors and 9 for 1-D
+    ones. Under FSDP2 (``Shard(0)`` DTensors) each rank holds its rows of every state tensor (the factored column
+    moment whole) and the step is the single-process step (:mod:`gefen.sharding`).
 
     Args:
         params: iterable of tensors, of ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or of
@@ -302,8 +313,7 @@ class Gefen(GefenOptimizer):
                 )
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
-        if is_dtensor(param):  # a row/column statistic would need the other ranks' rows: block-shared instead
-            return "block"
+        # the same on 1 or N ranks: a row-sharded factored moment all-reduces its column statistics each step
         return second_moment_kind(self.kind, tuple(param.shape), group)
 
     @torch.no_grad()
@@ -664,13 +674,17 @@ class Gefen(GefenOptimizer):
         # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
         workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
         for item, group in fresh:
-            if item.shard is None:
+            shape = tuple(item.param.shape)
+            if item.shard is None and _per_element(shape):  # biases, norm weights: nothing to search
+                if bool(item.grad.any()):
+                    periods[id(item.param)] = 1
+            elif item.shard is None:
                 backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
                 period = first_period(item.grad, backend=backend, workspace=workspace)
                 if period is not None:
-                    periods[id(item.param)] = period
+                    periods[id(item.param)] = row_aligned_period(period, shape)
         sharded = [item for item, _ in fresh if item.shard is not None]
-        if sharded:  # the same search on the full gradient on every rank, with blocks kept inside rows
+        if sharded:  # the same search on the full gradient on every rank, the same row rule
             shard = sharded[0].shard
             assert shard is not None
             nonzero = torch.tensor([bool(item.grad.any()) for item in sharded], dtype=torch.int64)
@@ -678,8 +692,12 @@ class Gefen(GefenOptimizer):
             for item, flag in zip(sharded, nonzero.tolist()):
                 if flag:
                     assert item.shard is not None
+                    shape = tuple(item.param.shape)
+                    if _per_element(shape, sharded=True):
+                        periods[id(item.param)] = 1
+                        continue
                     full = gather_rows(item.grad.to(torch.float32), item.shard)
-                    periods[id(item.param)] = row_period(find_period(full), item.shard.row_length)
+                    periods[id(item.param)] = row_aligned_period(find_period(full), shape, sharded=True)
         return periods
 
     def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> tuple[Tensor, str | None]:
@@ -746,10 +764,21 @@ class Gefen(GefenOptimizer):
         grad = item.grad.reshape(-1)
         if view.kind == "factored":
             rows, cols = target.shape
-            factored_second_moment_(
-                view.second_moment_row, view.second_moment_col, grad.to(torch.float32).view(rows, cols), beta2
-            )
-            row_root, col_root = factored_root_parts(view.second_moment_row, view.second_moment_col, bc2)
+            g2d = grad.to(torch.float32).view(rows, cols)
+            mean = None
+            if item.shard is None:
+                factored_second_moment_(view.second_moment_row, view.second_moment_col, g2d, beta2)
+            else:  # this rank's rows: the column statistic and the row mean over all ranks (one all-reduce)
+                group = item.shard.group
+                mean = sharded_factored_second_moment_(
+                    view.second_moment_row,
+                    view.second_moment_col,
+                    g2d,
+                    beta2,
+                    item.shard.rows,
+                    lambda piece: piece.copy_(all_reduce_(piece.to(collective_device(item.shard)), group, "sum")),
+                )
+            row_root, col_root = factored_root_parts(view.second_moment_row, view.second_moment_col, bc2, mean)
             unit = math.lcm(period, cols)
         else:
             unit = period

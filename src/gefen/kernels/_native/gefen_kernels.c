@@ -33,7 +33,7 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 3
+#define GEFEN_ABI_VERSION 4
 
 #define INLINE __attribute__((always_inline)) inline
 /* CALL(kind, param dtype) with both as compile-time constants, for the specialised pass-2 bodies (the momentum
@@ -53,7 +53,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
 enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
-enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2 };
+enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2, ERR_REDUCE = -3 };
 
 /* The argument record. Must match gefen/kernels/native.py (StepArgs) field by field. */
 typedef struct {
@@ -78,6 +78,9 @@ typedef struct {
     float inv_bc1;            /* block: 1 / bc1 */
     float bc2;                /* factored: 1 - beta2^t */
     float pad_;
+    int64_t global_rows;      /* factored, row-sharded (FSDP2): the parameter's rows on all ranks; 0: not sharded */
+    int64_t reduce_offset;    /* factored, row-sharded: where its column sums and row-moment total go in the
+                                 buffer of gefen_step_many_reduce (C + 1 doubles) */
 } gefen_step_args;
 
 /* ------------------------------------------------------------------ threading (the process's OpenMP runtime) */
@@ -1098,8 +1101,9 @@ typedef struct {
     block_ctx ctx;
     stats_ctx sctx;
     int64_t block_tasks, stat_tasks;
-    float *roots;  /* (R + C,) factored: row roots then column roots */
-    double *sums;  /* (R + C + stat_tasks * C,) factored */
+    float *roots;  /* (R + C,) factored: row roots then column roots (first the updated row moments) */
+    double *sums;  /* (R + C + stat_tasks * C,) factored: row sums, column sums, per-task column partials */
+    double total;  /* factored: fp64 sum of the updated row moments */
 } param_plan;
 
 typedef struct {
@@ -1152,10 +1156,11 @@ static void run_flat(param_plan *plans, int64_t n, int stats, int64_t threads, i
     parallel_for_cost(k, threads, stats ? flat_stats_task : flat_block_task, &f, cost);
 }
 
-/* The factored second moment of one parameter from its row/column sums, and the roots of its step size. */
-static void factored_roots(const gefen_step_args *a, param_plan *plan) {
+/* The factored second moment of one parameter, part 1: its column sums of g^2 (this rank's rows) into col_sq, the
+ * updated row moments into the row-root slots (published by factored_roots) and their fp64 total. */
+static double factored_sums(const gefen_step_args *a, param_plan *plan) {
     const int64_t R = a->rows, C = a->cols;
-    float *row_root = plan->roots, *col_root = plan->roots + R;
+    float *v_row_new = plan->roots;
     double *row_sq = plan->sums, *col_sq = plan->sums + R, *part = plan->sums + R + C;
     memset(col_sq, 0, (size_t)C * sizeof(double));
     for (int64_t t = 0; t < plan->stat_tasks; t++)
@@ -1163,15 +1168,25 @@ static void factored_roots(const gefen_step_args *a, param_plan *plan) {
     double total = 0.0;
     for (int64_t r = 0; r < R; r++) {
         float v = fmaf((float)(row_sq[r] / (double)C), a->one_minus_beta2, a->v_row[r] * a->beta2);
-        a->v_row[r] = v;
+        v_row_new[r] = v;
         total += v;
     }
+    return total;
+}
+
+/* Part 2: from the column sums and row-moment total over all R_all rows (this rank's, or all ranks' once reduced),
+ * update v_row and v_col and compute the roots of the step size. */
+static void factored_roots(const gefen_step_args *a, param_plan *plan, double total, int64_t R_all) {
+    const int64_t R = a->rows, C = a->cols;
+    float *row_root = plan->roots, *col_root = plan->roots + R;
+    const double *col_sq = plan->sums + R;
+    for (int64_t r = 0; r < R; r++) a->v_row[r] = row_root[r];
     for (int64_t c = 0; c < C; c++) {
-        float v = fmaf((float)(col_sq[c] / (double)R), a->one_minus_beta2, a->v_col[c] * a->beta2);
+        float v = fmaf((float)(col_sq[c] / (double)R_all), a->one_minus_beta2, a->v_col[c] * a->beta2);
         a->v_col[c] = v;
         col_root[c] = sqrtf(v);
     }
-    float mean = (float)(total / (double)R);
+    float mean = (float)(total / (double)R_all);
     float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
     for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
 }
@@ -1184,22 +1199,50 @@ static void free_plans(param_plan *plans, int64_t n) {
     free(plans);
 }
 
+/* Sums every rank's (C + 1)-double pieces of a reduce buffer in place (an all-reduce); returns 0 on success. */
+typedef int (*gefen_reduce_fn)(double *buffer, int64_t length);
+
+/* The reduce of a rank that fails before it: it still takes part (so no rank waits on it), its status slot set. */
+static int fail_before_reduce(int rc, double *buffer, int64_t length, gefen_reduce_fn reduce) {
+    if (length > 0) {
+        buffer[length - 1] = 1.0;
+        reduce(buffer, length);
+    }
+    return rc;
+}
+
 /* One step of n parameters (records args[0..n)), all of whose tasks share two parallel loops. Every record is
- * checked and every buffer allocated before the first write: an error return has changed nothing. */
-int gefen_step_many(const gefen_step_args *args, int64_t n) {
-    if (!args || n <= 0) return ERR_ARGS;
+ * checked and every buffer allocated before the first write: an error return has changed nothing.
+ * Row-sharded factored records (global_rows > 0) put their column sums and row-moment totals into `buffer` at their
+ * reduce_offset (C + 1 doubles each, within buffer[0, length - 1)), `reduce` sums the buffer over the ranks in
+ * place, and their moments use the all-rank sums. The last slot is a status: every rank calls `reduce` exactly
+ * once when length > 0 (also with no such record of its own, and also when it fails before the reduce, with the
+ * slot set), and a non-zero sum refuses the step on every rank with nothing changed. */
+int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffer, int64_t length,
+                           gefen_reduce_fn reduce) {
+    if (length < 0 || (length > 0 && (!buffer || !reduce))) return ERR_ARGS;
+    if (n < 0 || (n > 0 && !args)) return fail_before_reduce(ERR_ARGS, buffer, length, reduce);
+    if (n == 0) {
+        if (length == 0) return OK;
+        buffer[length - 1] = 0.0;
+        return reduce(buffer, length) != 0 || buffer[length - 1] != 0.0 ? ERR_REDUCE : OK;
+    }
     int64_t numel = 0, threads = 1;
     for (int64_t i = 0; i < n; i++) {
         int rc = check_args(&args[i]);
+        if (rc == OK && args[i].global_rows > 0 &&
+            (args[i].kind != KIND_FACTORED || args[i].global_rows < args[i].rows || args[i].reduce_offset < 0 ||
+             args[i].reduce_offset + args[i].cols + 1 > length - 1))
+            rc = ERR_ARGS;
         if (rc == OK && (i == 0 || args[i].lut != args[i - 1].lut)) rc = check_lut(args[i].lut); /* once per table */
-        if (rc != OK) return rc;
+        if (rc != OK) return fail_before_reduce(rc, buffer, length, reduce);
         numel += args[i].numel;
         if (args[i].threads > threads) threads = args[i].threads;
     }
     if (numel < PARALLEL_MIN_ELEMENTS) threads = 1;
     const int level = active_level();
     param_plan *plans = (param_plan *)calloc((size_t)n, sizeof(param_plan));
-    if (!plans) return ERR_NOMEM;
+    if (!plans) return fail_before_reduce(ERR_NOMEM, buffer, length, reduce);
 #if GEFEN_X86
     vbmi_tables *tables[8] = {0}; /* one per distinct codebook (an optimizer has one) */
     entry_table *entries[8] = {0};
@@ -1272,10 +1315,34 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
         tc = (int64_t *)malloc((size_t)(most + 1) * sizeof(int64_t));
         if (!tp || !tl || !tc) rc = ERR_NOMEM;
     }
-    if (rc == OK) { /* from here on nothing can fail */
+    if (rc == OK) { /* no write to a state or parameter before the reduce, nothing can fail after it */
         run_flat(plans, n, 1, threads, tp, tl, tc);
-        for (int64_t i = 0; i < n; i++)
-            if (args[i].kind == KIND_FACTORED) factored_roots(&args[i], &plans[i]);
+        for (int64_t i = 0; i < n; i++) {
+            if (args[i].kind != KIND_FACTORED) continue;
+            plans[i].total = factored_sums(&args[i], &plans[i]);
+            if (args[i].global_rows > 0) {
+                double *piece = buffer + args[i].reduce_offset;
+                memcpy(piece, plans[i].sums + args[i].rows, (size_t)args[i].cols * sizeof(double));
+                piece[args[i].cols] = plans[i].total;
+            }
+        }
+    }
+    if (length > 0) { /* every rank, also one that failed above */
+        buffer[length - 1] = rc == OK ? 0.0 : 1.0;
+        if (reduce(buffer, length) != 0 || (rc == OK && buffer[length - 1] != 0.0)) rc = rc == OK ? ERR_REDUCE : rc;
+    }
+    if (rc == OK) {
+        for (int64_t i = 0; i < n; i++) {
+            const gefen_step_args *a = &args[i];
+            if (a->kind != KIND_FACTORED) continue;
+            if (a->global_rows > 0) {
+                const double *piece = buffer + a->reduce_offset;
+                memcpy(plans[i].sums + a->rows, piece, (size_t)a->cols * sizeof(double));
+                factored_roots(a, &plans[i], piece[a->cols], a->global_rows);
+            } else {
+                factored_roots(a, &plans[i], plans[i].total, a->rows);
+            }
+        }
         run_flat(plans, n, 0, threads, tp, tl, tc);
     }
     free(tp);
@@ -1290,6 +1357,13 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     }
 #endif
     return rc;
+}
+
+int gefen_step_many(const gefen_step_args *args, int64_t n) {
+    if (!args || n <= 0) return ERR_ARGS;
+    for (int64_t i = 0; i < n; i++)
+        if (args[i].global_rows > 0) return ERR_ARGS; /* sharded records need gefen_step_many_reduce */
+    return gefen_step_many_reduce(args, n, 0, 0, 0);
 }
 
 int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }
