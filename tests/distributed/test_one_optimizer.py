@@ -23,6 +23,7 @@ import gefen
 from gefen.math.period import first_period
 from gefen.state import PERIOD, SECOND_MOMENT_ROW
 from tests.distributed.harness import run_world
+from tests.distributed.test_fsdp2 import full_params
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,12 +61,6 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> l
         opt.step()
         losses.append(loss.item())
     return losses
-
-
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
-    }
 
 
 def _facts(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, object]:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "row_aligned_period",
+    "per_element_blocks",
     "PER_ELEMENT_LIMIT",
     "MIN_ROW_LENGTH",
     "PERIOD_SEARCH_VARIANT",
@@ -295,6 +296,15 @@ def row_aligned_period(period: int, shape: tuple[int, ...], sharded: bool = Fals
     if period > row_length:
         return row_length
     return largest_divisor_at_most(row_length, period)
+
+
+def per_element_blocks(shape: tuple[int, ...], sharded: bool = False) -> bool:
+    """Whether :func:`row_aligned_period` gives a parameter of ``shape`` one-element blocks whatever its gradient
+    (rows of one element: 1-D, ``(N, 1)``, 0-D; up to :data:`PER_ELEMENT_LIMIT` elements unless ``sharded``), so
+    its period search can be skipped."""
+    numel = math.prod(shape)
+    rows_of_one = not shape or (shape[0] > 0 and numel // shape[0] == 1)
+    return rows_of_one and (sharded or numel <= PER_ELEMENT_LIMIT)
 
 
 def first_period(

@@ -52,7 +52,7 @@ from gefen.math.moments import (
     sharded_factored_second_moment_,
     update_quantized_moment,
 )
-from gefen.math.period import PER_ELEMENT_LIMIT, find_period, first_period, row_aligned_period
+from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
 from gefen.optim._base import GefenOptimizer, WorkItem
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
@@ -124,14 +124,6 @@ def _capturing() -> bool:
 _CHUNK_ELEMENTS = 1 << 17
 #: The same on accelerators, where each pass is a kernel launch: large enough to keep launches few.
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
-
-
-def _per_element(shape: tuple[int, ...], sharded: bool = False) -> bool:
-    """Whether the row rule gives a parameter of ``shape`` one-element blocks whatever its gradient (rows of one
-    element: 1-D, ``(N, 1)``, 0-D), so its period search can be skipped (see ``row_aligned_period``)."""
-    numel = math.prod(shape)
-    rows_of_one = not shape or (shape[0] > 0 and numel // shape[0] == 1)
-    return rows_of_one and (sharded or numel <= PER_ELEMENT_LIMIT)
 
 
 class Gefen(GefenOptimizer):
@@ -675,7 +667,7 @@ class Gefen(GefenOptimizer):
         workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
         for item, group in fresh:
             shape = tuple(item.param.shape)
-            if item.shard is None and _per_element(shape):  # biases, norm weights: nothing to search
+            if item.shard is None and per_element_blocks(shape):  # biases, norm weights: nothing to search
                 if bool(item.grad.any()):
                     periods[id(item.param)] = 1
             elif item.shard is None:
@@ -693,7 +685,7 @@ class Gefen(GefenOptimizer):
                 if flag:
                     assert item.shard is not None
                     shape = tuple(item.param.shape)
-                    if _per_element(shape, sharded=True):
+                    if per_element_blocks(shape, sharded=True):
                         periods[id(item.param)] = 1
                         continue
                     full = gather_rows(item.grad.to(torch.float32), item.shard)
