@@ -217,6 +217,20 @@ def _same_metadata(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return True
 
 
+def recipe_shape(top: object, mirrors: list[Any], live: Mapping[str, Any] | None) -> bool:
+    """Whether metadata copies that disagree have the shape torch's ``register_load_state_dict_pre_hook`` recipe
+    gives them: the live optimizer's own entry (``live``) at the top level, the checkpoint's (all equal) in every
+    group's mirror. Then the mirrors win (Gefen's ``gefen`` entry and the hybrid's ``gefen_hybrid`` alike)."""
+    return (
+        live is not None
+        and isinstance(top, Mapping)
+        and bool(mirrors)
+        and all(isinstance(m, Mapping) for m in mirrors)
+        and _same_metadata(top, live)
+        and all(_same_metadata(m, mirrors[0]) for m in mirrors)
+    )
+
+
 def _find_metadata(
     state_dict: Mapping[str, Any], optimizer_kind: str, live: Mapping[str, Any] | None = None
 ) -> tuple[Mapping[str, Any], bool]:
@@ -253,12 +267,7 @@ def _find_metadata(
         )
     if all(_same_metadata(m, copies[0]) for m in copies):
         return copies[0], False
-    if (  # the recipe's shape: the live optimizer's own top-level entry, every group's mirror the checkpoint's
-        live is not None
-        and top is not None
-        and _same_metadata(top, live)
-        and all(_same_metadata(m, present[0]) for m in present)
-    ):
+    if recipe_shape(top, present, live):
         return present[0], True
     for i, mirror in enumerate(present):
         if not _same_metadata(mirror, present[0]):

@@ -35,6 +35,7 @@ from gefen.checkpoint import (
     _int_counter,
     _same_metadata,
     check_hybrid_layout,
+    recipe_shape,
 )
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
@@ -251,14 +252,7 @@ def _hybrid_metadata(state_dict: Mapping[str, Any], live: Mapping[str, Any] | No
     mirrors = [g.get(HYBRID_METADATA_KEY) for g in state_dict["param_groups"] if isinstance(g, Mapping)]
     present = [m for m in mirrors if m is not None]
     candidates = ([top] if top is not None else []) + present
-    if (
-        live is not None
-        and isinstance(top, Mapping)
-        and present
-        and all(isinstance(m, Mapping) for m in present)
-        and _same_metadata(top, live)
-        and all(_same_metadata(m, present[0]) for m in present)
-    ):
+    if recipe_shape(top, present, live):
         candidates = present
     if not candidates:
         raise CheckpointError(

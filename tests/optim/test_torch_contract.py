@@ -393,3 +393,22 @@ def test_reading_state_of_a_parameter_without_state_keeps_state_dict_loadable(ki
     assert not opt.state.get(unused)
     opt.state[unused]  # noqa: B018 - the read itself is the case
     _build(kind, copy.deepcopy(model)).load_state_dict(opt.state_dict())
+
+
+def test_the_recipe_into_a_hybrid_takes_the_checkpoint_s_hybrid_counters():
+    """The recipe keeps the live hybrid's top-level ``gefen_hybrid`` entry and copies the checkpoint's group
+    mirrors: the mirrors win (here a checkpoint that skipped a NaN step)."""
+    old = _model(("inp", "out"))
+    opt = gefen.GefenMuonHybrid(old, lr=1e-2)
+    _train(old, opt, range(2))
+    opt.zero_grad()
+    _backward(old, 9)
+    next(iter(old.parameters())).grad.view(-1)[0] = float("nan")
+    with pytest.warns(UserWarning, match="skipped"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = gefen.GefenMuonHybrid(_model(("inp", "mid", "out")), lr=1e-2)
+    fresh.register_load_state_dict_pre_hook(_adapt_by_name)
+    fresh.load_state_dict(saved)
+    assert fresh.skipped_steps == 1
