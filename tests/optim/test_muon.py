@@ -12,6 +12,7 @@ from torch import nn
 
 import gefen
 from gefen.errors import CheckpointError, ConfigError
+from gefen.math import newton_schulz as ns_module
 from gefen.math.newton_schulz import adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 
 
@@ -40,6 +41,41 @@ def test_newton_schulz_square_input_and_zero_matrix() -> None:
     assert singular.min().item() < 0.5  # square Gaussian: the smallest singular values stay small
     zero = newton_schulz(torch.zeros(8, 4), resolve_schedule("tuned3", 5), 1e-7)
     assert torch.equal(zero, torch.zeros(8, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "steps", "max_changed", "max_relative"),
+    [("standard", 1, 1e-3, 1e-4), ("tuned3", 5, 1e-3, 1e-4), ("standard", 5, 1.0, 2e-2)],
+)
+def test_newton_schulz_fp32_gemms_match_bf16_gemms(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, steps: int, max_changed: float, max_relative: float
+) -> None:
+    """On a CPU without bf16 matrix instructions the products run as fp32 GEMMs of bf16 operands rounded once: the
+    bf16 GEMM's values up to fp32 summation order. A converging schedule agrees but for a few elements in 10⁴
+    (measured 7e-5 / 3e-4 changed, relative Frobenius 2e-5 / 7e-5); the 5-step standard schedule, whose singular
+    values keep oscillating, amplifies those one-ulp differences to a relative 8e-3, as between two GPU models."""
+    u = torch.randn(96, 160, generator=torch.Generator().manual_seed(2))
+    plan = resolve_schedule(schedule, steps)
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(ns_module, "bf16_gemm_is_native", lambda device, native=native: native)
+        results.append(newton_schulz(u, plan, 1e-7))
+    bf16_gemm, fp32_gemm = results
+    assert fp32_gemm.dtype == torch.bfloat16 and fp32_gemm.shape == u.shape
+    diff = (bf16_gemm.float() - fp32_gemm.float()).abs()
+    assert (diff > 0).float().mean().item() <= max_changed
+    assert (diff.norm() / bf16_gemm.float().norm()).item() <= max_relative
+
+
+def test_bf16_gemm_is_native_follows_the_cpu_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ns_module.bf16_gemm_is_native(torch.device("cuda"))  # no CUDA needed to ask
+    for avx512_bf16, amx in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is (avx512_bf16 or amx)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is False  # a torch without the probes
 
 
 def test_schedule_resolution_and_validation() -> None:

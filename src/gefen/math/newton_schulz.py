@@ -19,6 +19,7 @@ __all__ = [
     "STANDARD_COEFFICIENTS",
     "resolve_schedule",
     "newton_schulz",
+    "bf16_gemm_is_native",
     "normuon_",
     "adjust_lr_ratio",
     "ADJUST_LR_FNS",
@@ -85,12 +86,47 @@ def resolve_schedule(
     return tuple(resolved)  # type: ignore[return-value]
 
 
+def bf16_gemm_is_native(device: torch.device) -> bool:
+    """Whether bf16 matrix products on ``device`` run on bf16 matrix instructions.
+
+    True on CUDA and on CPUs with AVX-512 BF16 or AMX tiles (torch's own probes); False on other CPUs (AVX2,
+    plain AVX-512, ARM without a probe), where torch's bf16 GEMM falls back to a scalar loop that measured
+    ~100x slower than its fp32 GEMM (1.2 vs 117 GFLOP/s, 512x512, 2-core AMD EPYC with AVX2). There
+    :func:`newton_schulz` runs each product as an fp32 GEMM of the bf16 operands, rounded to bf16 once (see there).
+
+    Args:
+        device: the device of the matrices.
+
+    Returns:
+        A bool, fixed for a given machine (no timing probe, so ``deterministic=True`` runs take the same path).
+    """
+    if device.type != "cpu":
+        return True
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def _addmm_bf16(bias: Tensor, left: Tensor, right: Tensor, beta: float, alpha: float, native: bool) -> Tensor:
+    """``beta·bias + alpha·(left @ right)`` of bf16 matrices, bf16 result: one bf16 ``addmm`` where the device has
+    bf16 matrix instructions, else the same sum as an fp32 ``addmm`` of the (exactly widened) bf16 operands and
+    one rounding to bf16 — what a bf16 GEMM computes (fp32 accumulation, one rounding), up to the order of the
+    fp32 sums."""
+    if native:
+        return torch.addmm(bias, left, right, beta=beta, alpha=alpha)
+    return torch.addmm(bias.float(), left.float(), right.float(), beta=beta, alpha=alpha).to(torch.bfloat16)
+
+
 def newton_schulz(update: Tensor, schedule: Sequence[tuple[float, float, float]], eps: float) -> Tensor:
     """Approximately orthogonalise a matrix with the quintic Newton–Schulz iteration, in bf16.
 
     ``X = U / max(‖U‖_F, eps)`` (on the wide orientation, rows <= cols), then per ``(a, b, c)``:
     ``A = X·Xᵀ``, ``M = b·A + c·A·A`` (one ``addmm``), ``X = a·X + M·X`` (one ``addmm``) — the grouping of
-    algorithm.md §7.2, which matters in bf16.
+    algorithm.md §7.2, which matters in bf16. ``X``, ``A`` and ``M`` are bf16 values throughout; each product
+    accumulates in fp32 and rounds to bf16 once. On a CPU without bf16 matrix instructions
+    (:func:`bf16_gemm_is_native` False) the products run as fp32 GEMMs of the bf16 operands followed by that one
+    rounding: the same values up to the order of the fp32 sums (a few elements per 10⁴ differ by one bf16 ulp per
+    product, as between two GPU models), ~30x faster than torch's bf16 GEMM there (0.29 s → 0.011 s for a
+    256x256 matrix, 5 iterations).
 
     Args:
         update: (R, C) any floating dtype.
@@ -102,15 +138,16 @@ def newton_schulz(update: Tensor, schedule: Sequence[tuple[float, float, float]]
 
     Source: Jordan et al. 2024 (Muon); algorithm.md §7.2.
     """
+    native = bf16_gemm_is_native(update.device)
     x = update.to(torch.bfloat16)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.mT
     x = x / x.norm().clamp_min(eps)
     for a, b, c in schedule:
-        gram = x @ x.mT
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
+        gram = x @ x.mT if native else (x.float() @ x.float().mT).to(torch.bfloat16)
+        poly = _addmm_bf16(gram, gram, gram, b, c, native)
+        x = _addmm_bf16(x, poly, x, a, 1.0, native)
     return x.mT if transposed else x
 
 
