@@ -36,7 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BETAS", "OPTIMIZERS", "WEIGHT_DECAY", "OptimizerSpec", "describe", "param_groups", "state_bytes"]
+__all__ = [
+    "BETAS",
+    "OPTIMIZERS",
+    "WEIGHT_DECAY",
+    "OptimizerSpec",
+    "describe",
+    "param_groups",
+    "state_bytes",
+    "torch_muon_gemms_in_fp32",
+]
 
 WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.95)
@@ -181,9 +190,39 @@ class _Pair(torch.optim.Optimizer):
         return loss
 
 
+def torch_muon_gemms_in_fp32() -> bool:
+    """Make ``torch.optim.Muon`` in this process run its Newton–Schulz products as fp32 GEMMs of bf16 operands
+    where the CPU has no bf16 matrix instructions; return whether it did.
+
+    torch's Newton–Schulz (``torch.optim._muon._zeropower_via_newtonschulz``) is the same iteration with the same
+    grouping as :func:`gefen.math.newton_schulz.newton_schulz`; on a CPU without bf16 matrix instructions its bf16
+    GEMMs fall back to a scalar loop (~15 s per demo step instead of ~0.2 s). There the module function is replaced
+    by ours with ``(ns_coefficients,) * ns_steps``: the same values up to the order of fp32 sums. Nothing changes
+    where bf16 GEMMs are native, or in a torch without that function. Called by the ``torch-muon-hybrid`` factory in
+    the demo's training process (each optimizer trains in its own process) and by ``benchmarks/muon_ablation.py``.
+    """
+    import torch.optim._muon as torch_muon
+
+    from gefen.math.newton_schulz import bf16_gemm_is_native, newton_schulz
+
+    if bf16_gemm_is_native(torch.device("cpu")) or not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
+        return False
+
+    def zeropower(grad: torch.Tensor, ns_coefficients: Any, ns_steps: int, eps: float) -> torch.Tensor:
+        if grad.device.type != "cpu":
+            return original(grad, ns_coefficients, ns_steps, eps)
+        return newton_schulz(grad, (tuple(ns_coefficients),) * ns_steps, eps)
+
+    original = getattr(torch_muon._zeropower_via_newtonschulz, "__wrapped__", torch_muon._zeropower_via_newtonschulz)
+    zeropower.__wrapped__ = original  # type: ignore[attr-defined]
+    torch_muon._zeropower_via_newtonschulz = zeropower
+    return True
+
+
 def _torch_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     from gefen import split_params_for_muon
 
+    torch_muon_gemms_in_fp32()
     muon, backup = split_params_for_muon(model)
     first = torch.optim.Muon(
         [p for _, p in muon],
@@ -242,6 +281,14 @@ def describe(name: str, lr: float) -> str:
     Adafactor's scaled weight decay)."""
     if name == "adamw":
         return _adamw_description()
+    if name in ("gefen-muon-hybrid", "torch-muon-hybrid"):
+        from gefen.math.newton_schulz import bf16_gemm_is_native
+
+        if not bf16_gemm_is_native(torch.device("cpu")):
+            return (
+                f"{OPTIMIZERS[name].description}; Newton–Schulz GEMMs in fp32 on bf16 values (this CPU has no bf16 "
+                "matrix instructions)"
+            )
     if name == "adafactor":
         weight_decay = _adafactor_weight_decay(lr)
         return f"{OPTIMIZERS[name].description}; weight_decay={weight_decay:.3g} (= 0.1 x {_ADAMW_LR:g} / lr)"

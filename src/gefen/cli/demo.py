@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,9 @@ class _Job:
     eval_every: int
     train_bytes: bytes
     eval_bytes: bytes
+    #: ``factory(model, lr)`` to use instead of ``OPTIMIZERS[name].factory`` (``benchmarks/muon_ablation.py``'s
+    #: configurations); a module-level callable, so the job pickles into the spawned child.
+    factory: Callable[[Any, float], Any] | None = None
 
 
 def _parse_optimizers(text: str, known: Sequence[str]) -> list[str]:
@@ -239,7 +242,7 @@ def _train_one(job: _Job) -> dict[str, Any]:
     torch.set_num_threads(job.threads)
     model = build_model(job.model_size, job.seq_len, job.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = OPTIMIZERS[job.name].factory(model, job.lr)
+    optimizer = (job.factory or OPTIMIZERS[job.name].factory)(model, job.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_multiplier(step, job.steps))
     train = torch.frombuffer(bytearray(job.train_bytes), dtype=torch.uint8)
     sampler = BatchSampler(train, job.batch_size, job.seq_len, seed=job.seed + 1)
