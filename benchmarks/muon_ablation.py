@@ -12,6 +12,9 @@ the backup with betas (0.9, 0.95) and no decay; one lr for both halves):
 * ``+normuon``: and NorMuon row normalisation.
 * ``+8bit``: and Gefen's 8-bit codebook momentum: ``GefenMuonHybrid(backup_optimizer="adamw")``.
 * ``+gefen-backup``: and the Gefen backup: ``GefenMuonHybrid`` as the demo's ``gefen-muon-hybrid`` builds it.
+* ``+standard``: ``+gefen-backup`` with the ``standard`` schedule (5 iterations) instead of ``tuned3``:
+  ``gefen-muon-hybrid`` with its defaults since this ablation.
+* ``-normuon``: ``+standard`` without NorMuon.
 * ``+original-lr``: ``+gefen-backup`` with ``adjust_lr_fn="original"`` (Muon's lr scaled by
   ``sqrt(max(1, R/C))`` instead of ``0.2·sqrt(max(R, C))``), to show what the shape rule buys.
 
@@ -57,7 +60,7 @@ from gefen.math.newton_schulz import adjust_lr_ratio, newton_schulz, normuon_, r
 __all__ = ["CONFIGS", "ReferenceMuon", "best_lrs", "build", "main"]
 
 #: Walk order: each configuration changes one thing from the one before (``+original-lr``: from ``+gefen-backup``).
-CONFIGS = ("torch", "+tuned3", "+normuon", "+8bit", "+gefen-backup", "+original-lr")
+CONFIGS = ("torch", "+tuned3", "+normuon", "+8bit", "+gefen-backup", "+standard", "-normuon", "+original-lr")
 
 _WEIGHT_DECAY = 0.1
 _BETAS = (0.9, 0.95)
@@ -143,7 +146,7 @@ def build(config: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         )
         second = torch.optim.AdamW([p for _, p in backup], lr=lr, betas=_BETAS, weight_decay=0.0)
         return _Pair(first, second)
-    if config in ("+8bit", "+gefen-backup", "+original-lr"):
+    if config in ("+8bit", "+gefen-backup", "+standard", "-normuon", "+original-lr"):
         return GefenMuonHybrid(
             model,
             lr=lr,
@@ -152,6 +155,8 @@ def build(config: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
             backup_weight_decay=0.0,
             backup_optimizer="adamw" if config == "+8bit" else "gefen",
             adjust_lr_fn="original" if config == "+original-lr" else "match_rms_adamw",
+            ns_schedule="standard" if config in ("+standard", "-normuon") else "tuned3",
+            normuon=config != "-normuon",
         )
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
@@ -256,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--configs", default=",".join(CONFIGS[:5]), help="comma-separated configurations")
+    parser.add_argument("--configs", default=",".join(CONFIGS[:7]), help="comma-separated configurations")
     parser.add_argument("--lrs", default="3e-3,5e-3,8e-3", help="comma-separated peak lrs")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
     parser.add_argument("--steps", type=int, default=200)

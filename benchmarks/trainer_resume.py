@@ -22,10 +22,11 @@ the optimizer, scheduler, trainer state, RNG state and model weights. ``torch.op
 ``adamw_torch_fused``) trains the same N steps on the same trainable parameters as the reference for accuracy.
 
 Trainable parameters (``--train-layers``): ``all`` fine-tunes everything (embeddings included); an integer K the
-top K of the 6 encoder layers plus the pooler and the classifier (``0``: pooler and classifier only). Defaults:
-``all`` for ``gefen``; ``0`` for the hybrids, because their Newton–Schulz runs in bf16 matmuls, which take
-30–80 s per step over MiniLM's 37 hidden matrices on a CPU without bf16 instructions. With ``0`` the hybrid
-still has both halves (the pooler's 384x384 weight on Muon, the pooler bias and the classifier on the backup).
+top K of the 6 encoder layers plus the pooler and the classifier (``0``: pooler and classifier only). Default:
+``all`` for every configuration. The hybrids follow the fine-tuning recipe of ``docs/muon_ablation.md``: Muon on
+the 36 pretrained hidden matrices, the pooler (newly initialised: this checkpoint has no pooler weights) on the
+backup with the embeddings, the classifier, norms and biases (``backup_substrings=FINE_TUNE_BACKUP_SUBSTRINGS``).
+With the pooler on Muon, Muon and torch's Muon alike end 18 points behind AdamW; see the doc.
 
 Output (stdout): one JSON object per configuration, one per line::
 
@@ -67,6 +68,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from gefen import DEFAULT_BACKUP_SUBSTRINGS  # noqa: E402
 from gefen.digest import state_digest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -110,11 +112,16 @@ class Config:
 
 _COMMON = (("fused", False), ("deterministic", True))
 
+#: The hybrids' fine-tuning recipe (docs/muon_ablation.md, "Fine-tuning"): the freshly initialised pooler goes to
+#: the backup with the embeddings and the classifier; Muon takes the 36 pretrained hidden matrices.
+FINE_TUNE_BACKUP_SUBSTRINGS = (*DEFAULT_BACKUP_SUBSTRINGS, "pooler")
+_HYBRID = (*_COMMON, ("backup_substrings", FINE_TUNE_BACKUP_SUBSTRINGS))
+
 #: The configurations, in output order.
 CONFIGS: dict[str, Config] = {
     "gefen": Config("gefen", "gefen", _COMMON, None),
-    "hybrid-gefen": Config("hybrid-gefen", "gefen-muon-hybrid", (*_COMMON, ("backup_optimizer", "gefen")), 0),
-    "hybrid-adamw": Config("hybrid-adamw", "gefen-muon-hybrid", (*_COMMON, ("backup_optimizer", "adamw")), 0),
+    "hybrid-gefen": Config("hybrid-gefen", "gefen-muon-hybrid", (*_HYBRID, ("backup_optimizer", "gefen")), None),
+    "hybrid-adamw": Config("hybrid-adamw", "gefen-muon-hybrid", (*_HYBRID, ("backup_optimizer", "adamw")), None),
 }
 
 #: The reference optimizer's name in Trainer (``torch.optim.AdamW(fused=True)``).
@@ -558,8 +565,7 @@ def _parser() -> argparse.ArgumentParser:
         "--train-layers",
         type=_train_layers,
         default=argparse.SUPPRESS,
-        help="'all' or 0..6 top encoder layers trained with the head, for every configuration "
-        "(default: all for gefen, 0 for the hybrids)",
+        help="'all' or 0..6 top encoder layers trained with the head, for every configuration (default: all)",
     )
     p.add_argument(
         "--eval-examples",

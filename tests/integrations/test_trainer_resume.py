@@ -172,7 +172,9 @@ def test_gate_resumes_every_configuration_bit_identically(tmp_path):
     gefen_run, hybrid_gefen, hybrid_adamw = records
     assert (gefen_run["optimizer"], hybrid_gefen["optimizer"]) == ("TrainerGefen", "GefenMuonHybrid")
     assert gefen_run["train_layers"] == "all" and gefen_run["trainable_params"] > 22_000_000
-    assert hybrid_gefen["trainable_params"] == hybrid_adamw["trainable_params"] == HEAD_PARAMS
+    # the fine-tuning recipe: every configuration trains the whole model (the hybrids' pooler on the backup)
+    assert hybrid_gefen["train_layers"] == hybrid_adamw["train_layers"] == "all"
+    assert hybrid_gefen["trainable_params"] == hybrid_adamw["trainable_params"] == gefen_run["trainable_params"]
     # Different optimizers leave different state, so the digests compare something real.
     assert len({r["digests"]["a"]["optimizer"] for r in records}) == 3
     assert len({r["digests"]["a"]["model"] for r in records}) == 3
@@ -182,6 +184,20 @@ def test_gate_resumes_every_configuration_bit_identically(tmp_path):
     for name in ("gefen", "hybrid-gefen", "hybrid-adamw"):
         checkpoint = tmp_path / "work" / f"{name}-b" / "checkpoint-2"
         assert all((checkpoint / f).is_file() for f in gate.CHECKPOINT_FILES), name
+
+
+def test_fine_tuning_recipe_routes_the_new_pooler_to_the_backup():
+    """The hybrids' recipe: Muon takes MiniLM's 36 pretrained hidden matrices; the freshly initialised pooler and
+    the classifier (HEAD_PARAMS of them, biases included) go to the backup with the embeddings."""
+    import gefen
+
+    model = gate.load_model(CLASSES, 0, None)
+    muon, backup = gefen.split_params_for_muon(model, gate.FINE_TUNE_BACKUP_SUBSTRINGS)
+    assert len(muon) == 36 and all(p.ndim == 2 and "pooler" not in n for n, p in muon)
+    head = sum(p.numel() for n, p in backup if n.startswith(("bert.pooler.", "classifier.")))
+    assert head == HEAD_PARAMS
+    default_muon, _ = gefen.split_params_for_muon(model)
+    assert [n for n, _ in default_muon if n not in dict(muon)] == ["bert.pooler.dense.weight"]
 
 
 def _fake_runs(monkeypatch, resumed: dict) -> None:

@@ -157,3 +157,10 @@ def test_demo_job_trains_with_an_ablation_factory() -> None:
     result = _train_one(job)
     assert math.isfinite(result["eval_loss"]) and len(result["train_curve"]) == 3
     assert 0.9 < result["state_bytes_per_param"] < 2.0  # Gefen-family state, not AdamW's 8
+
+
+def test_newton_schulz_benchmark_counts_gemm_work_on_the_wide_orientation() -> None:
+    bench = _load("newton_schulz")
+    # per iteration: X·Xᵀ and M·X are 2·m²·n each, A·A is 2·m³, with m = min(R, C)
+    assert bench.gemm_flop((688, 256), 3) == bench.gemm_flop((256, 688), 3) == 3 * (4 * 256**2 * 688 + 2 * 256**3)
+    assert len(bench.SETS["minilm"]()) == 37 and len(bench.SETS["demo"]()) == 28

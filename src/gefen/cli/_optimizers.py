@@ -10,7 +10,8 @@ Shared policy, identical for every entry so the comparison is about the update r
   :func:`param_groups`, passed as ``(name, tensor)`` pairs so optimizers that use names (Gefen) get them.
 * **Betas** (0.9, 0.95) for the Adam-family entries (AdamW, Gefen), the usual choice for short LM runs.
   Adafactor (torch's implementation) has no first moment; it keeps its defaults.
-* **Recommended lr**: the best eval loss of an lr sweep on the default demo run (``docs/lr_sweep.md``);
+* **Recommended lr**: the best eval loss of an lr sweep on the default demo run (``docs/lr_sweep.md``; the Muon
+  hybrids: ``docs/muon_ablation.md``);
   every peer is tuned, none is a strawman. ``--lr NAME=VALUE`` overrides it.
 
 Entries:
@@ -146,8 +147,9 @@ def _gefen_eager(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return Gefen(param_groups(model), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, backend="eager")
 
 
-#: Muon hybrids: Muon lr (AdamW-scale thanks to ``adjust_lr_fn="match_rms_adamw"``), hidden-weight decay.
-_MUON_LR = 1e-3
+#: Muon hybrids' peak lr (both halves; AdamW-scale thanks to ``adjust_lr_fn="match_rms_adamw"``): the best of
+#: 3e-3/5e-3/8e-3/1.2e-2 for both hybrids in ``docs/muon_ablation.md`` (2 seeds).
+_MUON_LR = 8e-3
 
 
 def _gefen_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -259,7 +261,8 @@ def _registry() -> dict[str, OptimizerSpec]:
             "gefen-muon-hybrid",
             _gefen_muon_hybrid,
             _MUON_LR,
-            "gefen.GefenMuonHybrid: GefenMuon (tuned3 + NorMuon, match_rms_adamw) on 2-D hidden weights, "
+            "gefen.GefenMuonHybrid: GefenMuon (standard Newton–Schulz + NorMuon, match_rms_adamw) on 2-D hidden "
+            "weights, "
             f"Gefen on the rest, betas={BETAS}",
         ),
         OptimizerSpec(

@@ -301,8 +301,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             ``weight_decay``).
         betas, eps: the backup's Adam betas and eps (Muon keeps its own eps 1e-7).
         momentum, nesterov, ns_steps, ns_schedule, adjust_lr_fn, normuon, normuon_beta2, normuon_eps,
-            sharded_mode: Muon options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="tuned3"``,
-            ``normuon=True``, ``adjust_lr_fn="match_rms_adamw"``.
+            sharded_mode: Muon options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="standard"`` (5
+            iterations; ``"tuned3"``, algorithm.md §8.2's default, cost 3.9 % eval loss on the demo task:
+            docs/muon_ablation.md), ``normuon=True``, ``adjust_lr_fn="match_rms_adamw"``.
         backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
         backend, fused, deterministic, capturable, nonfinite: forwarded to both Gefen children (see :class:`Gefen`;
             ``fused`` is the deprecated alias of ``backend``, folded in here); with an
@@ -334,7 +335,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
-        ns_schedule: str | Sequence[Sequence[float]] | None = "tuned3",
+        ns_schedule: str | Sequence[Sequence[float]] | None = "standard",
         adjust_lr_fn: str | None = "match_rms_adamw",
         normuon: bool = True,
         normuon_beta2: float = 0.95,
