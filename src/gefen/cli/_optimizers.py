@@ -203,10 +203,12 @@ def torch_muon_gemms_in_fp32() -> bool:
     where bf16 GEMMs are native, or in a torch without that function. Called by the ``torch-muon-hybrid`` factory in
     the demo's training process (each optimizer trains in its own process) and by ``benchmarks/muon_ablation.py``.
     """
-    import torch.optim._muon as torch_muon
-
     from gefen.math.newton_schulz import bf16_gemm_is_native, newton_schulz
 
+    try:
+        import torch.optim._muon as torch_muon
+    except ImportError:  # a torch without torch.optim.Muon (before 2.9): nothing to route
+        return False
     if bf16_gemm_is_native(torch.device("cpu")) or not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
         return False
 
