@@ -13,11 +13,13 @@ is not what is measured here), with one of:
 
 ``--layers 0`` trains the pooler and classifier only, ``--layers all`` everything. ``--backup-pooler`` is the
 fine-tuning recipe: the freshly initialised pooler goes to the backup
-(``backup_substrings=(*gefen.DEFAULT_BACKUP_SUBSTRINGS, "pooler")``). ``--muon-lr`` gives Muon its own lr (the
+(``backup_substrings=(*gefen.DEFAULT_BACKUP_SUBSTRINGS, "pooler")``). ``--backup-factored``
+gives a Gefen backup's 2-D weights the factored second moment (``backup_factored_v_2d=True``; the hybrid's default is
+the block one). ``--muon-lr`` gives Muon its own lr (the
 backup keeps ``--lr``). ``--diag`` prints, for the first 8 steps, the pooler update's RMS over the lr and the stable
 rank ``‖G‖_F² / ‖G‖_2²`` of its gradient.
 
-Prints one JSON line: ``{"opt", "layers", "lr", "muon_lr", "wd", "adjust", "backup_pooler", "seed",
+Prints one JSON line: ``{"opt", "layers", "lr", "muon_lr", "wd", "adjust", "backup_pooler", "backup_factored", "seed",
 "eval_accuracy" (fraction of the 276 eval docstrings), "final_loss", "wall_s", "opt_step_s" (median seconds of
 ``optimizer.step()``), "pooler_relative_change" (‖W − W₀‖_F / ‖W₀‖_F), "pooler_initial_std"}``.
 
@@ -83,6 +85,7 @@ def _optimizer(opts: argparse.Namespace, model: torch.nn.Module) -> torch.optim.
         backup_weight_decay=0.0,
         adjust_lr_fn=opts.adjust,
         backup_substrings=substrings,
+        backup_factored_v_2d=opts.backup_factored,
         deterministic=True,
     )
 
@@ -99,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wd", type=float, default=0.01)
     parser.add_argument("--adjust", default="match_rms_adamw", choices=("match_rms_adamw", "original"))
     parser.add_argument("--backup-pooler", action="store_true")
+    parser.add_argument("--backup-factored", action="store_true", help="a Gefen backup keeps the factored moment")
     parser.add_argument("--diag", action="store_true")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     opts = parser.parse_args(argv)
@@ -152,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wd": opts.wd,
         "adjust": opts.adjust,
         "backup_pooler": opts.backup_pooler,
+        "backup_factored": opts.backup_factored,
         "seed": opts.seed,
         "eval_accuracy": gate.eval_accuracy(model, eval_set),
         "final_loss": loss.item(),

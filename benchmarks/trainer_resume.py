@@ -25,7 +25,8 @@ Trainable parameters (``--train-layers``): ``all`` fine-tunes everything (embedd
 top K of the 6 encoder layers plus the pooler and the classifier (``0``: pooler and classifier only). Default:
 ``all`` for every configuration. The hybrids follow the fine-tuning recipe of ``docs/muon_ablation.md``: Muon on
 the 36 pretrained hidden matrices, the pooler (newly initialised: this checkpoint has no pooler weights) on the
-backup with the embeddings, the classifier, norms and biases (``backup_substrings=FINE_TUNE_BACKUP_SUBSTRINGS``).
+backup with the embeddings, the classifier, norms and biases (``backup_substrings=FINE_TUNE_BACKUP_SUBSTRINGS``),
+and a Gefen backup keeps the factored second moment for those 2-D weights (``backup_factored_v_2d=True``).
 With the pooler on Muon, Muon and torch's Muon alike end 18 points behind AdamW; see the doc.
 
 Output (stdout): one JSON object per configuration, one per line::
@@ -120,7 +121,12 @@ _HYBRID = (*_COMMON, ("backup_substrings", FINE_TUNE_BACKUP_SUBSTRINGS))
 #: The configurations, in output order.
 CONFIGS: dict[str, Config] = {
     "gefen": Config("gefen", "gefen", _COMMON, None),
-    "hybrid-gefen": Config("hybrid-gefen", "gefen-muon-hybrid", (*_HYBRID, ("backup_optimizer", "gefen")), None),
+    "hybrid-gefen": Config(
+        "hybrid-gefen",
+        "gefen-muon-hybrid",
+        (*_HYBRID, ("backup_optimizer", "gefen"), ("backup_factored_v_2d", True)),
+        None,
+    ),
     "hybrid-adamw": Config("hybrid-adamw", "gefen-muon-hybrid", (*_HYBRID, ("backup_optimizer", "adamw")), None),
 }
 

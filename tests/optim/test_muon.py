@@ -545,3 +545,28 @@ def test_hybrid_with_adamw_backup_refuses_a_sparse_backup_gradient_before_muon_s
     with pytest.raises(gefen.StepError, match="norm.weight"):
         opt.step()
     assert torch.equal(model.q_proj.weight, before) and len(opt.muon.state) == 0
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_hybrid_backup_factored_v_2d_option(factored: bool) -> None:
+    """``backup_factored_v_2d=True`` gives the Gefen backup's 2-D weights (embedding, head) the factored second
+    moment (row and column statistics), the fine-tuning recipe; the default keeps algorithm.md §8.2's block one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32))  # backup 2-D: factorable
+    named = [
+        ("embed.weight", model[0].weight),
+        ("hidden.weight", model[1].weight),
+        ("classifier.weight", model[2].weight),
+    ]
+    opt = gefen.GefenMuonHybrid(named, lr=1e-3, backup_factored_v_2d=factored)
+    assert opt.backup is not None
+    assert [g["factored_v_2d"] for g in opt.backup.param_groups] == [factored] * len(opt.backup.param_groups)
+    for _, p in named:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for weight in (model[0].weight, model[2].weight):
+        keys = set(opt.backup.state[weight])
+        assert ({"second_moment_row", "second_moment_col"} <= keys) is factored, keys
+        assert ("second_moment" in keys) is not factored, keys
+    with pytest.raises(TypeError):
+        gefen.GefenMuonHybrid(named, lr=1e-3, backup_factored_v_2d=1)  # type: ignore[arg-type]

@@ -296,6 +296,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         lr: Muon's lr η (with ``adjust_lr_fn="match_rms_adamw"`` an AdamW-scale value fits).
         backup_optimizer: ``"gefen"`` (block second moment, ``factored_v_2d=False`` as algorithm.md §8.2) or
             ``"adamw"`` (``torch.optim.AdamW``).
+        backup_factored_v_2d: the Gefen backup's 2-D weights keep the factored second moment (as :class:`Gefen`'s
+            default) instead of the block one; for fine-tuning a fresh head (docs/muon_ablation.md: 80 % against
+            67 % on MiniLM's new pooler and classifier). Ignored with ``backup_optimizer="adamw"``.
         backup_lr: the backup's lr (default ``lr``).
         weight_decay, muon_weight_decay, backup_weight_decay: decoupled decay (the specific ones default to
             ``weight_decay``).
@@ -347,8 +350,12 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         deterministic: bool = False,
         capturable: bool = False,
         nonfinite: str | None = None,
+        backup_factored_v_2d: bool = False,
     ) -> None:
-        check_flags("GefenMuonHybrid", {"deterministic": deterministic, "capturable": capturable})
+        check_flags(
+            "GefenMuonHybrid",
+            {"deterministic": deterministic, "capturable": capturable, "backup_factored_v_2d": backup_factored_v_2d},
+        )
         check_flags("GefenMuonHybrid", {"fused": fused}, optional=("fused",))
         self.nonfinite = resolve_nonfinite("GefenMuonHybrid", nonfinite, deterministic, capturable)
         self.deterministic = deterministic
@@ -420,7 +427,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             bwd = wd if backup_weight_decay is None else backup_weight_decay
             if backup_optimizer == "gefen":
                 self.backup = Gefen(
-                    backup, lr=blr, betas=betas, eps=eps, weight_decay=bwd, factored_v_2d=False, **policies
+                    backup,
+                    lr=blr,
+                    betas=betas,
+                    eps=eps,
+                    weight_decay=bwd,
+                    factored_v_2d=backup_factored_v_2d,
+                    **policies,
                 )
             else:
                 self.backup = torch.optim.AdamW(
