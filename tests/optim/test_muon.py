@@ -69,13 +69,17 @@ def test_newton_schulz_fp32_gemms_match_bf16_gemms(
 
 def test_bf16_gemm_is_native_follows_the_cpu_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ns_module.bf16_gemm_is_native(torch.device("cuda"))  # no CUDA needed to ask
+    assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is ns_module.cpu_has_bf16_gemm()
     for avx512_bf16, amx in ((False, False), (True, False), (False, True)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
-        assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is (avx512_bf16 or amx)
+        assert ns_module.cpu_has_bf16_gemm() is (avx512_bf16 or amx)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
-    assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is False  # a torch without the probes
+    assert ns_module.cpu_has_bf16_gemm() is False  # a torch without the probes
+    for value in (True, False):  # the step reads the value probed once at import
+        monkeypatch.setattr(ns_module, "_CPU_BF16_GEMM", value)
+        assert ns_module.bf16_gemm_is_native(torch.device("cpu")) is value
 
 
 def test_schedule_resolution_and_validation() -> None:

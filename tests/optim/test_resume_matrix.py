@@ -129,7 +129,10 @@ def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, determi
     differently on CPUs with other SIMD widths (measured: 1-34 elements of a tensor differ by <= 1.5e-8 on an
     AVX-512 machine against a fixture written elsewhere). A migration fault (a lost first moment, a wrong
     counter, a codebook left behind) changes the step by the size of the update itself, 1e-2 here; the bound
-    below is 1e-5 of that."""
+    below is 1e-5 of that. Matrices stepped through Newton–Schulz are bf16 products, and a bf16 GEMM's fp32 sums
+    run in another order on a CPU without bf16 matrix instructions (and on another GPU), flipping the rounding of
+    a few elements by one bf16 ulp (measured on the GefenMuon fixture: 6.2e-4 of the update at most, 7e-5 in
+    Frobenius norm); their bound is one bf16 ulp of the update, 2⁻⁸ — still 250x below a migration fault."""
     fixture = torch.load(FIXTURES / f"v1_{kind}.pt", weights_only=True)
     saved = fixture["optimizer"]
     halves = [saved["muon"], saved["backup"]] if kind.startswith("hybrid") else [saved]
@@ -143,6 +146,7 @@ def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, determi
     for name, p in model.named_parameters():
         p.grad = fixture["grads"][name].clone()
     opt.step()
+    through_ns = {id(p) for g in opt.param_groups if "ns_schedule" in g for p in g["params"]}
     moved = 0
     for name, p in model.named_parameters():
         expected, before = fixture["expected_after"][name], fixture["params"][name]
@@ -152,7 +156,8 @@ def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, determi
             continue
         moved += 1
         assert update > 1e-3, name  # a real step, so the bound below is a real test
-        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5 * update, msg=name)
+        bound = 2.0**-8 if id(p) in through_ns else 1e-5
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=bound * update, msg=name)
     assert moved >= 1
     resaved = opt.state_dict()
     if kind.startswith("hybrid"):  # resaved in torch's layout, each Gefen half's metadata in its groups

@@ -20,6 +20,7 @@ __all__ = [
     "resolve_schedule",
     "newton_schulz",
     "bf16_gemm_is_native",
+    "cpu_has_bf16_gemm",
     "normuon_",
     "adjust_lr_ratio",
     "ADJUST_LR_FNS",
@@ -100,10 +101,17 @@ def bf16_gemm_is_native(device: torch.device) -> bool:
     Returns:
         A bool, fixed for a given machine (no timing probe, so ``deterministic=True`` runs take the same path).
     """
-    if device.type != "cpu":
-        return True
+    return device.type != "cpu" or _CPU_BF16_GEMM
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """torch's probes for AVX-512 BF16 or AMX tiles on this CPU (False in a torch without them). Read once at import
+    into ``_CPU_BF16_GEMM``, so a compiled step reads a constant instead of calling the probes."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+_CPU_BF16_GEMM = cpu_has_bf16_gemm()
 
 
 def _addmm_bf16(bias: Tensor, left: Tensor, right: Tensor, beta: float, alpha: float, native: bool) -> Tensor:
