@@ -231,20 +231,25 @@ def _plot(path: str, runs: Sequence[dict[str, Any]], best: dict[str, dict[str, A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    figure, axes = plt.subplots(figsize=(9, 5.5), constrained_layout=True)
+    first_seed = min(run["seed"] for run in runs)
     for index, config in enumerate(best):
-        by_lr: dict[float, list[float]] = {}
-        for run in runs:
-            if run["config"] == config and math.isfinite(run["eval_loss"]):
-                by_lr.setdefault(run["lr"], []).append(run["eval_loss"])
-        lrs = sorted(by_lr)
-        axes.plot(lrs, [statistics.fmean(by_lr[lr]) for lr in lrs], "o-", color=f"C{index}", label=config)
-        for lr in lrs:
-            axes.scatter([lr] * len(by_lr[lr]), by_lr[lr], color=f"C{index}", s=10, alpha=0.5)
-        axes.scatter([best[config]["lr"]], [best[config]["mean_eval_loss"]], color=f"C{index}", s=90, marker="*")
+        points = sorted(
+            (run["lr"], run["eval_loss"])
+            for run in runs
+            if run["config"] == config and run["seed"] == first_seed and math.isfinite(run["eval_loss"])
+        )
+        if points:
+            lrs, losses = zip(*points, strict=True)
+            axes.plot(lrs, losses, "o-", color=f"C{index}", label=f"{config} (seed {first_seed})")
+        others = [(r["lr"], r["eval_loss"]) for r in runs if r["config"] == config and r["seed"] != first_seed]
+        if others:
+            axes.scatter(*zip(*others, strict=True), color=f"C{index}", s=18, marker="x")
+        entry = best[config]
+        axes.scatter([entry["lr"]], [entry["mean_eval_loss"]], color=f"C{index}", s=110, marker="*", zorder=3)
     axes.set_xscale("log")
     axes.set_xlabel("peak lr (both halves)")
-    axes.set_ylabel("eval loss after the last step, nats/byte (mean of seeds; dots: each seed)")
+    axes.set_ylabel("eval loss after the last step, nats/byte")
     axes.grid(alpha=0.3)
     axes.legend()
     axes.set_title(title, fontsize=9)
@@ -341,7 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(_table(report["runs"], report["best"]))
     if args.plot:
-        title = f"Muon hybrid ablation: gefen demo task ({args.steps} steps), eval loss at each peak lr"
+        title = (
+            f"Muon hybrid ablation, gefen demo task ({args.steps} steps): lines seed 0, x other seeds, "
+            "star = mean over seeds at the best lr"
+        )
         _plot(args.plot, report["runs"], report["best"], title)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed else 0

@@ -3,7 +3,7 @@ of a real step.
 
 For each parameter set (``demo``: the ``gefen demo`` model's 28 hidden matrices; ``minilm``: all-MiniLM-L6-v2's 37
 hidden matrices, pooler included; ``25m``: ``benchmarks/step.py``'s GPT-shaped set) and each distinct shape, it
-times :func:`gefen.math.newton_schulz.newton_schulz` (``tuned3``, the hybrid's default: 3 iterations of 3 GEMMs)
+times :func:`gefen.math.newton_schulz.newton_schulz` (``standard``, the hybrid's default: 5 iterations of 3 GEMMs)
 with bf16 GEMMs (torch's bf16 ``addmm``) and with fp32 GEMMs of the bf16 operands (the path gefen takes on a CPU
 without bf16 matrix instructions, :func:`~gefen.math.newton_schulz.bf16_gemm_is_native` False), and reports the
 GEMM work (FLOP, 2 per multiply-add) over the time. The machine's own scale is the fp32 throughput of one large
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per shape and path (median)")
     parser.add_argument("--peak-size", type=int, default=1024, help="side of the square GEMM of the scale rows")
     args = parser.parse_args()
-    schedule = ns.resolve_schedule("tuned3", 5)
+    schedule = ns.resolve_schedule("standard", 5)
     native = ns.bf16_gemm_is_native(torch.device("cpu"))
     report: dict[str, object] = {
         "device": "cpu",

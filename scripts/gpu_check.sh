@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a lent GPU machine (whose python3 already has torch with CUDA, pytest and
-# hypothesis): the test suite with the GPU visible (all but the Hugging Face integration tests, see below),
+# hypothesis): the CUDA tests, then the rest of the suite with the GPU visible (all but the Hugging Face
+# integration tests, see below),
 # failing on any skipped test (CUDA or not), then
 # benchmarks/step.py on CUDA with the ~125M-parameter GPT-shaped set. Logs and JSON go to $OUT (default
 # /tmp/gpu_check). Exits non-zero on any failure.
@@ -13,10 +14,17 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 status=0
 # tests/integrations and gefen.integrations' doctests need the hf and gates extras (transformers, accelerate and
 # the MiniLM weights, too large to carry to an offline GPU machine); they hold nothing CUDA-specific and run in
-# CI on the CPU. Everything else runs here, and any skip fails the check.
-python3 -m pytest -q -p no:cacheprovider -rs tests src/gefen --ignore=tests/integrations \
-  --ignore=src/gefen/integrations 2>&1 | tee "$out/pytest.log"
+# CI on the CPU. Everything else runs here, and any skip fails the check. The CUDA tests run first (one minute),
+# then the rest, spread over the machine's cores when pytest-xdist is there (a device command may run 10 minutes
+# at most), each failure named in the summary (-rfE).
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+parallel=()
+python3 -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) > 16 ? 16 : $(nproc) ))" -p no:benchmark)
+python3 -m pytest -q -p no:cacheprovider -rfEs "${parallel[@]}" tests src/gefen --ignore=tests/test_cuda.py \
+  --ignore=tests/integrations --ignore=src/gefen/integrations 2>&1 | tee "$out/pytest.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cat "$out/pytest_cuda.log" >> "$out/pytest.log"
 skipped=$(grep -E "^SKIPPED \[[0-9]+\]" "$out/pytest.log" | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{n += $1} END {print n + 0}')
 echo "gpu_check: $skipped skipped tests"
 if [ "$skipped" -ne 0 ] || grep -qE "^SKIPPED" "$out/pytest.log"; then
@@ -24,7 +32,7 @@ if [ "$skipped" -ne 0 ] || grep -qE "^SKIPPED" "$out/pytest.log"; then
   grep -E "^SKIPPED" "$out/pytest.log" >&2
   status=1
 fi
-python3 benchmarks/step.py --device cuda --size 125m 2>&1 | tee "$out/step_cuda_125m.json" || status=1
-python3 benchmarks/step.py --device cuda --size 25m 2>&1 | tee "$out/step_cuda_25m.json" || status=1
+python3 benchmarks/step.py --device cuda --size 125m > "$out/step_cuda_125m.json" 2> "$out/step_cuda_125m.err" || status=1
+python3 benchmarks/step.py --device cuda --size 25m > "$out/step_cuda_25m.json" 2> "$out/step_cuda_25m.err" || status=1
 echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -305,7 +305,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         betas, eps: the backup's Adam betas and eps (Muon keeps its own eps 1e-7).
         momentum, nesterov, ns_steps, ns_schedule, adjust_lr_fn, normuon, normuon_beta2, normuon_eps,
             sharded_mode: Muon options (see :class:`GefenMuon`); hybrid defaults ``ns_schedule="standard"`` (5
-            iterations; ``"tuned3"``, algorithm.md §8.2's default, cost 3.9 % eval loss on the demo task:
+            iterations; ``"tuned3"``, algorithm.md §8.2's default, cost 4.5 % eval loss on the demo task:
             docs/muon_ablation.md), ``normuon=True``, ``adjust_lr_fn="match_rms_adamw"``.
         backup_substrings: name fragments forcing the backup (default :data:`DEFAULT_BACKUP_SUBSTRINGS`).
         backend, fused, deterministic, capturable, nonfinite: forwarded to both Gefen children (see :class:`Gefen`;
