@@ -175,6 +175,8 @@ def test_gefen_muon_refuses_non_2d_parameters_with_a_pointer_to_the_hybrid(shape
         {"adjust_lr_fn": "adam"},
         {"ns_schedule": "tuned9"},
         {"ns_steps": 0},
+        {"ns_steps": 0, "ns_schedule": "tuned3"},  # out of range under every schedule, not only the standard one
+        {"ns_steps": 100, "ns_schedule": [(3.0, -4.0, 2.0)]},
         {"normuon_beta2": 1.0},
         {"normuon_eps": 0.0},
     ],

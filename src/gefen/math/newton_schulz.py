@@ -52,7 +52,8 @@ def resolve_schedule(
     Args:
         ns_schedule: ``None`` or ``"standard"`` (``STANDARD_COEFFICIENTS`` × ``ns_steps``), ``"tuned3"``,
             ``"tuned4"``, or an explicit list of 1..99 ``(a, b, c)`` triples of finite numbers.
-        ns_steps: iterations of the standard schedule, ``1 <= ns_steps < 100`` (ignored by the others).
+        ns_steps: iterations of the standard schedule, ``1 <= ns_steps < 100`` (checked, then ignored, by the
+            others).
 
     Returns:
         A tuple of float triples.
@@ -65,9 +66,9 @@ def resolve_schedule(
     """
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
         raise TypeError(f"ns_steps={ns_steps!r} must be an int")
+    if not 1 <= ns_steps < 100:  # checked under every schedule: an option never holds a value it would refuse later
+        raise ValueError(f"ns_steps={ns_steps} must be in [1, 100)")
     if ns_schedule is None or ns_schedule == "standard":
-        if not 1 <= ns_steps < 100:
-            raise ValueError(f"ns_steps={ns_steps} must be in [1, 100)")
         return (STANDARD_COEFFICIENTS,) * ns_steps
     if isinstance(ns_schedule, str):
         if ns_schedule not in NS_SCHEDULES:
