@@ -994,6 +994,7 @@ static void block_task(const void *ctx_, int64_t task, int64_t thread) {
  * rounded to fp32 (as the reference squares in fp32) and accumulated in fp64, so the fp32 mean squares are the
  * correctly rounded means up to rare ties, whatever the order: every ISA and thread count gives the same values. */
 typedef double (*row_fn)(const gefen_step_args *, int64_t base, int64_t C, double *col);
+typedef void (*rows4_fn)(const gefen_step_args *, int64_t base, int64_t C, double *col, double out[4]);
 
 static double row_sq_scalar_from(const gefen_step_args *a, int64_t base, int64_t c, int64_t C, double *col,
                                  double acc) {
@@ -1009,14 +1010,20 @@ static double row_sq_scalar(const gefen_step_args *a, int64_t base, int64_t C, d
     return row_sq_scalar_from(a, base, 0, C, col, 0.0);
 }
 #if GEFEN_X86
+/* g^2 of 16 gradient elements in fp32, widened to two fp64 vectors (elements 0-7, 8-15). */
+T5 static inline __attribute__((always_inline)) void sq_wide16(const gefen_step_args *a, int64_t i, __m512d *lo,
+                                                               __m512d *hi) {
+    __m512 g = ld16(a->grad, i, a->grad_dtype);
+    __m512 g2 = _mm512_mul_ps(g, g);
+    *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g2));
+    *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1)));
+}
 T5 static double row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, double *col) {
     __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
-        __m512 g = ld16(a->grad, base + c, a->grad_dtype);
-        __m512 g2 = _mm512_mul_ps(g, g);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g2));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1)));
+        __m512d lo, hi;
+        sq_wide16(a, base + c, &lo, &hi);
         s0 = _mm512_add_pd(s0, lo);
         s1 = _mm512_add_pd(s1, hi);
         _mm512_storeu_pd(col + c, _mm512_add_pd(_mm512_loadu_pd(col + c), lo));
@@ -1035,10 +1042,8 @@ T5 static void rows4_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C
     for (; c + 16 <= C; c += 16) {
         __m512d clo = _mm512_loadu_pd(col + c), chi = _mm512_loadu_pd(col + c + 8);
         for (int r = 0; r < 4; r++) {
-            __m512 g = ld16(a->grad, base + r * C + c, a->grad_dtype);
-            __m512 g2 = _mm512_mul_ps(g, g);
-            __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g2));
-            __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1)));
+            __m512d lo, hi;
+            sq_wide16(a, base + r * C + c, &lo, &hi);
             s[r][0] = _mm512_add_pd(s[r][0], lo);
             s[r][1] = _mm512_add_pd(s[r][1], hi);
             clo = _mm512_add_pd(clo, lo);
@@ -1088,15 +1093,18 @@ static void stats_task(const void *ctx_, int64_t task, int64_t thread) {
     double *col = ctx->col_part + task * C;
     memset(col, 0, (size_t)C * sizeof(double));
     row_fn fn = row_sq_scalar;
+    rows4_fn fn4 = 0; /* four rows per call where the ISA has one (same sums as four calls of fn) */
 #if GEFEN_X86
-    if (ctx->level >= LEVEL_AVX512) fn = row_sq_avx512;
-    else if (ctx->level == LEVEL_AVX2) fn = row_sq_avx2;
+    if (ctx->level >= LEVEL_AVX512) {
+        fn = row_sq_avx512;
+        fn4 = rows4_sq_avx512;
+    } else if (ctx->level == LEVEL_AVX2) {
+        fn = row_sq_avx2;
+    }
 #endif
     int64_t r = r0;
-#if GEFEN_X86
-    if (fn == row_sq_avx512)
-        for (; r + 4 <= r1; r += 4) rows4_sq_avx512(a, r * C, C, col, ctx->row_sq + r);
-#endif
+    if (fn4)
+        for (; r + 4 <= r1; r += 4) fn4(a, r * C, C, col, ctx->row_sq + r);
     for (; r < r1; r++) ctx->row_sq[r] = fn(a, r * C, C, col);
 }
 
