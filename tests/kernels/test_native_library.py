@@ -160,6 +160,76 @@ def test_native_step_refuses_arguments_that_do_not_fit() -> None:
         assert torch.equal(a, b)
 
 
+@st.composite
+def unusable_cases(draw):
+    """Several records (kinds, dtypes, shapes with SIMD tails) whose gradients may hold a NaN, an Inf, a value at
+    the usable bound, just above it, or below sqrt(FLT_MAX) but above the bound (the factored row-sum screen must
+    still catch it), at any position."""
+    records = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["block", "factored", "momentum"]))
+        rows, cols = draw(st.integers(1, 24)), draw(st.integers(1, 70))
+        injections = draw(st.lists(st.tuples(st.integers(0, rows * cols - 1),
+                                             st.sampled_from(["nan", "inf", "-inf", "at", "above", "huge", "ok"])),
+                                   max_size=2))
+        records.append({"kind": kind, "shape": (rows, cols), "gdt": draw(st.sampled_from(DTYPES)),
+                        "injections": injections})
+    return {"records": records, "level": draw(st.sampled_from(LEVELS)), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _injected(value: str, numel: int, dtype: torch.dtype) -> float:
+    bound = native.as_float32(gefen.amp.usable_bound(numel))
+    above = torch.nextafter(torch.tensor(bound), torch.tensor(float("inf"))).item()
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "at": -bound, "above": above,
+            "huge": 1e19, "ok": 0.5}[value]
+
+
+@needs_library
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(unusable_cases())
+def test_native_usability_check_flags_exactly_what_the_preflight_flags_and_changes_nothing(case) -> None:
+    """``grad_bound``: the records the library refuses are exactly those whose gradient ``gefen.amp.unusable_names``
+    (the eager check of ``nonfinite="skip"``) names, on every CPU path; a refused call changes nothing at all."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    table = TABLES[0]
+    records, tensors, named = [], [], []
+    for i, spec in enumerate(case["records"]):
+        rows, cols = spec["shape"]
+        n = rows * cols
+        grad = (torch.randn(n, generator=gen) * 1e-3).to(spec["gdt"])
+        for position, value in spec["injections"]:
+            grad[position] = _injected(value, n, spec["gdt"])
+        kind = spec["kind"]
+        st_ = {"grad": grad, "codes": torch.randint(0, 256, (n // cols, cols), generator=gen, dtype=torch.uint8),
+               "scale": torch.rand(n // cols, generator=gen), "param": torch.randn(n, generator=gen)}
+        second = {"block": (torch.rand(n // cols, generator=gen),),
+                  "factored": (torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)), "momentum": ()}[kind]
+        out = torch.zeros(n) if kind == "momentum" else None
+        tensors.append([t for t in (*st_.values(), *second, out) if t is not None])
+        records.append(native.record(kind, grad=grad, codes=st_["codes"], scale=st_["scale"], tables=_tables(table),
+                                     steps=table.steps, period=cols, beta1=0.9, shape=(rows, cols), beta2=0.999,
+                                     eps=1e-8, lr=1e-2, weight_decay=0.1, step=3,
+                                     param=None if kind == "momentum" else st_["param"], second=second, out=out,
+                                     grad_bound=native.as_float32(gefen.amp.usable_bound(n))))
+        named.append((str(i), grad))
+    expected = [int(name) for name in gefen.amp.unusable_names(named)]
+    before = [[t.clone() for t in ts] for ts in tensors]
+    native.force_level(case["level"])
+    try:
+        refused = native.run_records(records)
+    finally:
+        native.force_level(None)
+    assert refused == expected
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # bit for bit (NaN included)
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    if refused:
+        assert all(same(a, b) for ts, bs in zip(tensors, before) for a, b in zip(ts, bs))
+    else:
+        assert any(not same(a, b) for ts, bs in zip(tensors, before) for a, b in zip(ts[1:], bs[1:]))
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -207,6 +277,26 @@ ASAN_SCRIPT = textwrap.dedent(
                                            param=None if kind == "momentum" else param, second=second, out=out,
                                            beta2=0.999, eps=1e-8, lr=1e-3, weight_decay=0.1, step=3)
                         cases += 1
+    # the usability check (grad_bound): clean and refused calls, every kind, SIMD tails, the factored row re-read
+    for level in levels:
+        native.force_level(level)
+        for rows, cols in ((1, 1), (1, 17), (3, 7), (5, 33), (9, 130)):
+            n = rows * cols
+            for kind in ("block", "factored", "momentum"):
+                for bad in (None, 0, n - 1):
+                    grad = torch.randn(n, generator=gen)
+                    if bad is not None:
+                        grad[bad] = 1e19
+                    second = {"block": (torch.rand(rows),), "factored": (torch.rand(rows), torch.rand(cols)),
+                              "momentum": ()}[kind]
+                    out = torch.empty(n) if kind == "momentum" else None
+                    rec = native.record(kind, grad=grad, codes=torch.zeros((rows, cols), dtype=torch.uint8),
+                                        scale=torch.rand(rows), tables=tables, steps=table.steps, period=cols,
+                                        beta1=0.9, shape=(rows, cols), param=None if kind == "momentum" else
+                                        torch.randn(n), second=second, out=out, beta2=0.999, eps=1e-8, lr=1e-3,
+                                        step=3, grad_bound=1e6)
+                    assert native.run_records([rec]) == ([] if bad is None else [0])
+                    cases += 1
     # the row-sharded factored form: pieces at the end of an exactly sized reduce buffer, a rank without records,
     # and the failure paths
     for level in levels:

@@ -197,3 +197,40 @@ def test_gradscaler_overflow_is_not_counted_as_a_skipped_step():
         warnings.simplefilter("error")
         scaler.step(opt)
     assert opt.skipped_steps == 0 and opt.global_step == 0
+
+
+@pytest.mark.skipif(not gefen.kernels.native.native_status().available, reason="needs the native library")
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize("value", ["nan", "inf", "above_bound"])
+def test_the_native_step_applies_the_policy_itself_with_no_gradient_read_before_it(monkeypatch, policy, value):
+    """On a steady CPU step the check runs inside the native call (between its statistics pass and its first
+    write): the preflight reads no gradient, and the call refuses the same gradients the eager check would (NaN, Inf,
+    a finite value beyond :func:`gefen.amp.usable_bound`) with nothing changed, for a factored and a block moment."""
+    import gefen.optim._base as base
+
+    model = _model()  # 0.weight (32, 16): factored; 0.bias (32,): block moment
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3, nonfinite=policy)
+    for step in range(2):
+        _grads(model, step)
+        opt.step()
+    reads = []
+    monkeypatch.setattr(base, "unusable_names", lambda named: reads.append(len(named)) or [])
+    for bad in ("0.weight", "0.bias"):
+        _grads(model, 5)
+        opt.step()  # a clean step: applied, no preflight read
+        grad = dict(model.named_parameters())[bad].grad
+        bound = gefen.kernels.native.as_float32(gefen.amp.usable_bound(grad.numel()))
+        grad.view(-1)[-1] = {"nan": float("nan"), "inf": float("inf"), "above_bound": 1.0000001 * bound}[value]
+        assert 1.0000001 * bound < 1.8446742e19 or value != "above_bound"  # finite square: only the bound refuses
+        params_before = [p.detach().clone() for p in model.parameters()]
+        state_before = copy.deepcopy(opt.state_dict())
+        if policy == "skip":
+            with pytest.warns(UserWarning, match=rf"skipped this step because the gradients of {bad} hold"):
+                opt.step()
+        else:
+            with pytest.raises(gefen.StepError, match=rf"the gradient of {bad} has NaN/Inf values"):
+                opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+        assert _equal(_without_counter(opt.state_dict()), _without_counter(state_before))
+    assert reads == []
+    assert opt.skipped_steps == (2 if policy == "skip" else 0)

@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -66,6 +66,8 @@ DISABLE_ENV = "GEFEN_NATIVE"
 #: Parameter and gradient dtypes the library handles (codes in its ``DT_*`` enum).
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = {"block": 0, "factored": 1, "momentum": 2}
+#: ``gefen_step_many_reduce``'s return code for a record whose gradient failed its ``grad_bound`` check.
+_ERR_UNUSABLE = -5
 _LEVELS = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512vbmi"}
 
 
@@ -103,7 +105,7 @@ class StepArgs(ctypes.Structure):
         ("root_bc2", ctypes.c_float),
         ("inv_bc1", ctypes.c_float),
         ("bc2", ctypes.c_float),
-        ("pad_", ctypes.c_float),
+        ("grad_bound", ctypes.c_float),
         ("global_rows", ctypes.c_int64),
         ("reduce_offset", ctypes.c_int64),
     ]
@@ -111,6 +113,8 @@ class StepArgs(ctypes.Structure):
 
 #: The C ``gefen_reduce_fn``: sums a float64 buffer over the ranks in place, returns 0 on success.
 REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int64)
+#: A null ``gefen_reduce_fn`` (no buffer: a one-process step).
+_NO_REDUCE = REDUCE_FN()
 
 
 def library_filename() -> str:
@@ -188,7 +192,14 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
         return None, NativeStatus(False, reason, path=str(path))
     lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gefen_step_many.restype = ctypes.c_int
-    lib.gefen_step_many_reduce.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, REDUCE_FN]
+    lib.gefen_step_many_reduce.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        REDUCE_FN,
+        ctypes.c_void_p,
+    ]
     lib.gefen_step_many_reduce.restype = ctypes.c_int
     pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer, int64]
@@ -426,12 +437,17 @@ def record(
     threads: int | None = None,
     global_rows: int = 0,
     reduce_offset: int = 0,
+    grad_bound: float = 0.0,
 ) -> tuple[object, ...]:
     """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
 
     ``global_rows > 0`` marks this rank's rows of a row-sharded (FSDP2) factored parameter with ``global_rows``
     rows in all: its column sums and row-moment total go to ``reduce_offset`` in the buffer of
     :func:`run_records`, which sums them over the ranks before the moments are updated.
+
+    ``grad_bound > 0`` checks the gradient before anything is written: a NaN or a value with ``|g| > grad_bound``
+    (compared in fp32; :func:`gefen.amp.usable_bound` gives the bound) refuses the whole call, nothing changed, and
+    :func:`run_records` names the record. 0 leaves it unchecked.
 
     ``threads`` defaults to ``torch.get_num_threads()``. The per-step constants are computed in float64 exactly as
     the eager reference computes its Python scalars and
@@ -474,7 +490,7 @@ def record(
         math.sqrt(bc2),
         1.0 / bc1,
         bc2,
-        0.0,
+        grad_bound,
         global_rows,
         reduce_offset,
     )
@@ -489,7 +505,7 @@ def run_records(
     records: list[tuple[object, ...]],
     buffer: Tensor | None = None,
     reduce: Callable[[Tensor], None] | None = None,
-) -> None:
+) -> list[int]:
     """Run the native steps of several parameters in one library call (two parallel loops over all of them).
 
     Args:
@@ -500,6 +516,10 @@ def run_records(
         reduce: sums ``buffer`` over the ranks in place (an all-reduce); called exactly once when ``buffer`` is
             given, between the statistics and the first write.
 
+    Returns:
+        Indices (into ``records``, ascending) of the records whose gradient failed their ``grad_bound`` check; when
+        it is not empty nothing was changed. Empty when the step was applied.
+
     Raises:
         RuntimeError: the library is unavailable, rejected a record, or a rank failed (nothing was changed then,
             on any rank).
@@ -507,14 +527,14 @@ def run_records(
     """
     lib = _require()
     if not records and buffer is None:
-        return
+        return []
     array = np.array(records, dtype=_record_dtype()) if records else None
-    if buffer is None:
-        rc = lib.gefen_step_many(array.ctypes.data if array is not None else None, len(records))
-    else:
+    unusable = np.zeros(max(len(records), 1), dtype=np.uint8)
+    failures: list[BaseException] = []
+    callback = _NO_REDUCE
+    if buffer is not None:
         if reduce is None or buffer.dtype != torch.float64 or buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("run_records needs a contiguous float64 CPU buffer and a reduce function")
-        failures: list[BaseException] = []
 
         def call(pointer: Any, length: int) -> int:
             try:
@@ -525,15 +545,23 @@ def run_records(
             return 0
 
         callback = REDUCE_FN(call)
-        rc = lib.gefen_step_many_reduce(
-            array.ctypes.data if array is not None else None, len(records), buffer.data_ptr(), buffer.numel(), callback
-        )
-        if failures:
-            raise failures[0]
-        if rc == -3:
-            raise RuntimeError("gefen native step: another rank failed before the reduce; nothing was changed")
+    rc = lib.gefen_step_many_reduce(
+        array.ctypes.data if array is not None else None,
+        len(records),
+        buffer.data_ptr() if buffer is not None else None,
+        buffer.numel() if buffer is not None else 0,
+        callback,
+        unusable.ctypes.data,
+    )
+    if failures:
+        raise failures[0]
+    if rc == _ERR_UNUSABLE:
+        return np.flatnonzero(unusable[: len(records)]).tolist()
+    if rc == -3:
+        raise RuntimeError("gefen native step: another rank failed before the reduce; nothing was changed")
     if rc != 0:
         raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")
+    return []
 
 
 def kmeans_centres(

@@ -416,7 +416,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             if self._amp_skip(plan):
                 return loss, plan, StepSkip(nonfinite=False)
             self._check_fresh_under_capture(plan)
-            bad = self._check_finite(plan)
+            bad = [] if self._defers_finite_check(plan) else self._check_finite(plan)
             return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None
         loss, plan, failure, overflow, present, bad = None, [], None, False, False, []
         try:
@@ -451,6 +451,11 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         """Subclass hook: refuse a parameter's first step inside a trace or capture (raise StepError)."""
+
+    def _defers_finite_check(self, plan: list[list[WorkItem]]) -> bool:
+        """Subclass hook: True when the step itself applies the ``nonfinite`` policy before its first write (then
+        the preflight does not read the gradients for it)."""
+        return False
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -501,7 +506,21 @@ class GefenOptimizer(torch.optim.Optimizer):
             for item in work
             if everything or STEP not in self.state.get(item.param, ())
         ]
-        bad = unusable_names(named)
+        return self._apply_finite_policy(unusable_names(named), everything)
+
+    def _apply_finite_policy(self, bad: list[str], everything: bool = True) -> list[str]:
+        """The ``nonfinite`` policy's answer to the names of the unusable gradients ``bad`` (in step order).
+
+        Args:
+            bad: the parameters whose gradients hold NaN/Inf or values beyond :func:`gefen.amp.usable_bound`.
+            everything: the policy checked every gradient (``False``: only first gradients, under "propagate").
+
+        Returns:
+            ``bad`` under ``"skip"`` (the step must change nothing when it is not empty), ``[]`` when it is empty.
+
+        Raises:
+            StepError: naming ``bad[0]`` under any other policy; nothing has been changed.
+        """
         if not bad or self.nonfinite == "skip":
             return bad
         raise nonfinite_error(self.kind, bad[0], policy_name(self.deterministic) if everything else None)

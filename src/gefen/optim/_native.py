@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
+from gefen.amp import usable_bound
 from gefen.compiled import kernel_grad
 from gefen.hyperparams import as_float
+from gefen.kernels.native import as_float32, run_records
 from gefen.kernels.native import check_arguments as check_native_arguments
 from gefen.kernels.native import record as native_record
-from gefen.kernels.native import run_records
 from gefen.math.lookup import NearestCodeTable
 from gefen.optim._base import WorkItem
 from gefen.sharding import all_reduce_, local_state
@@ -31,8 +32,18 @@ def run_native_jobs(
     states: Mapping[torch.Tensor, dict[str, Any]],
     jobs: list[tuple[WorkItem, Mapping[str, Any]]],
     table: NearestCodeTable,
-) -> None:
+    check: bool = False,
+) -> list[str]:
     """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs`` in one library call.
+
+    ``check=True`` folds the ``nonfinite`` check into the call: the library checks every gradient against
+    :func:`gefen.amp.usable_bound` (NaN, Inf, or a value whose square sums would overflow float32) between its
+    statistics pass and its first write (for factored moments from the row sums it computes anyway), and refuses the
+    whole call when one fails. The caller then applies its policy; nothing has been changed.
+
+    Returns:
+        Names (``WorkItem.name``, in ``jobs`` order) of the parameters whose gradient failed the check; empty when
+        the step was applied (always, with ``check=False``).
 
     This rank's rows of row-sharded (FSDP2) factored parameters take their column statistics and the mean of the
     row moments over all ranks: one float64 all-reduce of ``C + 1`` values per such matrix, all in one collective,
@@ -46,7 +57,7 @@ def run_native_jobs(
     hyperparameters once and keeps the per-parameter work to the record itself.
     """
     tables = (table.codebook, table.lut, table.thresholds)
-    records, keep, copies, steps = [], [], [], []
+    records, keep, copies, steps, names = [], [], [], [], []
     hyper: dict[int, tuple[float, ...]] = {}
     threads = torch.get_num_threads()
     reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
@@ -109,13 +120,18 @@ def run_native_jobs(
                 threads=threads,
                 global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,
                 reduce_offset=offset if sharded_factored else 0,
+                grad_bound=as_float32(usable_bound(numel)) if check else 0.0,
             )
         )
+        names.append(item.name)
     if reduce_length:
         buffer = torch.zeros(reduce_length + 1, dtype=torch.float64)  # + the status slot
-        run_records(records, buffer, lambda b: all_reduce_(b, group_of_shards, "sum"))
+        unusable = run_records(records, buffer, lambda b: all_reduce_(b, group_of_shards, "sum"))
     else:
-        run_records(records)
+        unusable = run_records(records)
+    if unusable:  # nothing was changed
+        return [names[i] for i in unusable]
     for param, work in copies:
         param.copy_(work)
     torch._foreach_add_(steps, 1)
+    return []

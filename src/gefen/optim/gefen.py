@@ -24,7 +24,14 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
-from gefen.kernels import auto_backend, group_backend, native_status, native_supports, resolve_backend_option
+from gefen.kernels import (
+    auto_backend,
+    group_backend,
+    native_status,
+    native_supports,
+    resolve_backend_option,
+    runs_natively,
+)
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -53,7 +60,7 @@ from gefen.math.moments import (
     update_quantized_moment,
 )
 from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
-from gefen.optim._base import GefenOptimizer, WorkItem
+from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
     all_reduce_,
@@ -236,6 +243,8 @@ class Gefen(GefenOptimizer):
     """
 
     kind = "Gefen"
+    #: Its native call can apply the ``nonfinite`` check itself (see :meth:`_defers_finite_check`).
+    _native_checks_finite = True
 
     def __init__(
         self,
@@ -343,6 +352,7 @@ class Gefen(GefenOptimizer):
         if skip is not None:  # GradScaler overflow or NaN/Inf under nonfinite="skip": nothing changes
             self._record_skip(skip)
             return loss
+        check_in_native = self._defers_finite_check(plan)  # then the native call below is the first write
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
         periods = self._search_periods(fresh)
@@ -381,7 +391,12 @@ class Gefen(GefenOptimizer):
                 else:  # all-zero first gradient: only the decoupled decay
                     zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
                     apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
-        self._run_native([(item, group) for item, group in jobs if kernels.get(id(item.param)) == "native"])
+        bad = self._run_native(
+            [(item, group) for item, group in jobs if kernels.get(id(item.param)) == "native"], check_in_native
+        )
+        if bad:  # the native call refused the step before any write: nothing has changed
+            self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(bad))))
+            return loss
         left = self._run_compiled(
             [
                 (item, group, kernels[id(item.param)])
@@ -578,10 +593,37 @@ class Gefen(GefenOptimizer):
             self._pending_codebook = None
         return chosen
 
-    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """Apply the native CPU backend to ``jobs`` in one library call (see :func:`run_native_jobs`)."""
-        if jobs:
-            run_native_jobs(self.state, jobs, self._nearest_table(torch.device("cpu")))
+    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], check: bool = False) -> list[str]:
+        """Apply the native CPU backend to ``jobs`` in one library call (see :func:`run_native_jobs`).
+
+        Returns:
+            With ``check`` (see :meth:`_defers_finite_check`), the names of the parameters whose gradients are
+            unusable, and then nothing was changed; otherwise ``[]``.
+        """
+        if not jobs:
+            return []
+        return run_native_jobs(self.state, jobs, self._nearest_table(torch.device("cpu")), check)
+
+    def _defers_finite_check(self, plan: list[list[WorkItem]]) -> bool:
+        """Whether this step's ``nonfinite`` check runs inside the native library call instead of before the step
+        (one read of the gradients fewer: a factored moment's check comes from the row sums the call computes
+        anyway, see :func:`run_native_jobs`).
+
+        True for a steady CPU step under ``"skip"`` or ``"raise"``: every gradient steps natively in that one call
+        and the call is the step's first write, i.e. no parameter starts now (no period search, codebook or
+        initial decay), none is sharded (ranks agree on skips before any step), not ``capturable``, and no
+        :class:`gefen.GefenMuonHybrid` applied the policy already. A pure function of the plan and the state, so
+        the preflight and :meth:`_step` agree.
+        """
+        if not self._native_checks_finite or self.nonfinite == "propagate" or self.capturable:
+            return False
+        if self.__dict__.get("_finite_checked") or not any(plan):
+            return False
+        return all(
+            item.shard is None and self._has_state(item.param) and runs_natively(item.param, item.grad.dtype, group)
+            for group, work in zip(self.param_groups, plan)
+            for item in work
+        )
 
     def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.

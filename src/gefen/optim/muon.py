@@ -96,6 +96,8 @@ class GefenMuon(Gefen):
     """
 
     kind = "GefenMuon"
+    #: Its native call covers the momentum of one parameter at a time: the check stays before the step.
+    _native_checks_finite = False
 
     def __init__(
         self,
@@ -182,10 +184,12 @@ class GefenMuon(Gefen):
             self._update(item, group, signature)
         return set()
 
-    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """The native backend covers the quantized momentum; the rest of each update runs in :meth:`_update`."""
+    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], check: bool = False) -> list[str]:
+        """The native backend covers the quantized momentum; the rest of each update runs in :meth:`_update`.
+        ``check`` is never set (``_native_checks_finite`` is False): the policy ran before the step."""
         for item, group in jobs:
             self._update(item, group, "native")
+        return []
 
     def _native_momentum(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
         """``m̂`` (fp32, (B, P)) from the native library, with the state updated in place."""

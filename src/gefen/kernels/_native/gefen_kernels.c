@@ -33,9 +33,18 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 4
+#define GEFEN_ABI_VERSION 5
 
 #define INLINE __attribute__((always_inline)) inline
+/* Fully unrolls the four 16-lane steps of a 64-element group, so their vectors stay in registers (GCC at -O2 keeps
+ * such loops rolled and the arrays they fill in memory). */
+#if defined(__clang__)
+#define UNROLL4 _Pragma("clang loop unroll(full)")
+#elif defined(__GNUC__)
+#define UNROLL4 _Pragma("GCC unroll 4")
+#else
+#define UNROLL4
+#endif
 /* CALL(kind, param dtype) with both as compile-time constants, for the specialised pass-2 bodies (the momentum
  * kind writes no parameter: fp32). */
 #define DISPATCH_KIND_DTYPE(a, CALL)                                                                                   \
@@ -53,7 +62,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
 enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
-enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2, ERR_REDUCE = -3 };
+enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2, ERR_REDUCE = -3, ERR_UNUSABLE = -5 };
 
 /* The argument record. Must match gefen/kernels/native.py (StepArgs) field by field. */
 typedef struct {
@@ -77,7 +86,8 @@ typedef struct {
     float root_bc2;           /* block: sqrt(bc2) rounded to fp32 (the step divides by it as torch does) */
     float inv_bc1;            /* block: 1 / bc1 */
     float bc2;                /* factored: 1 - beta2^t */
-    float pad_;
+    float grad_bound;         /* > 0: the step is refused (ERR_UNUSABLE, nothing changed) when a gradient value is
+                                 NaN or |g| > grad_bound (fp32 compare); 0: not checked */
     int64_t global_rows;      /* factored, row-sharded (FSDP2): the parameter's rows on all ranks; 0: not sharded */
     int64_t reduce_offset;    /* factored, row-sharded: where its column sums and row-moment total go in the
                                  buffer of gefen_step_many_reduce (C + 1 doubles) */
@@ -755,6 +765,7 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
         __m512 c[4];
         _mm_prefetch((const char *)(codes + j + PREFETCH_ELEMENTS), _MM_HINT_T0);
         lookup64(&vt->codebook, perm64(_mm512_loadu_si512((const void *)(codes + j))), &c[0], &c[1], &c[2], &c[3]);
+        UNROLL4
         for (int k = 0; k < 4; k++) {
             _mm_prefetch(grad + (j + 16 * k + PREFETCH_ELEMENTS) * (gdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
             __m512 g = ld16(grad, j + 16 * k, gdt);
@@ -806,13 +817,12 @@ TV static inline __attribute__((always_inline)) __m512 divide16(__m512 m, __m512
 TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0,
                                       int64_t j1, const float *buf, float denom, float amag, float s,
                                       const float *col_root, float row_root, int64_t c0, const int kind,
-                                      const int pdt, const int buckets) {
+                                      const int pdt, const int buckets, const int markstein) {
     uint8_t *const codes = a->codes;
     float *const out = a->out;
     void *const param = a->param;
     const int64_t steps = vt->steps;
     const __m512 vden = _mm512_set1_ps(denom), vmag = _mm512_set1_ps(amag), vs = _mm512_set1_ps(s);
-    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
     const __m512 vinv = _mm512_set1_ps(1.0f / denom);
     const __m512 vrow = _mm512_set1_ps(row_root), veps = _mm512_set1_ps(a->eps);
     const __m512 vdecay = _mm512_set1_ps(a->decay), vstep = _mm512_set1_ps(a->step);
@@ -826,6 +836,7 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
         __m512 u[4];
         __m128i low[4];
         __mmask64 hi8 = 0, hi9 = 0;
+        UNROLL4
         for (int k = 0; k < 4; k++) {
             u[k] = quotient16(_mm512_loadu_ps(buf + j + 16 * k), vden, vinv, markstein);
             __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u[k], one), half_buckets));
@@ -847,6 +858,7 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
             __m512 t[4];
             lookup64(&vt->thresholds, perm64(idx), &t[0], &t[1], &t[2], &t[3]);
             __mmask64 pass = 0;
+            UNROLL4
             for (int k = 0; k < 4; k++)
                 pass |= (__mmask64)_mm512_cmp_ps_mask(t[k], u[k], _CMP_LT_OQ) << (16 * k);
             idx = _mm512_mask_add_epi8(idx, pass, idx, ones8);
@@ -854,6 +866,7 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
         _mm512_storeu_si512((void *)(codes + base + j), idx);
         __m512 c[4];
         lookup64(&vt->codebook, perm64(idx), &c[0], &c[1], &c[2], &c[3]);
+        UNROLL4
         for (int k = 0; k < 4; k++) {
             const int64_t e = base + j + 16 * k;
             __m512 m_hat = _mm512_mul_ps(c[k], vmag);
@@ -879,7 +892,15 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
 TV static void pass2_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0, int64_t j1,
                           const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
                           int64_t c0) {
-#define P2(kind, pdt, nb) pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb)
+    /* u = m / denom by Markstein's correction where denom allows it (a compile-time branch of the loop) */
+    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
+#define P2(kind, pdt, nb)                                                                                              \
+    do {                                                                                                               \
+        if (markstein)                                                                                                 \
+            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 1);       \
+        else                                                                                                           \
+            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 0);       \
+    } while (0)
 #define P2_NB(kind, pdt)                                                                                               \
     do {                                                                                                               \
         if (vt->buckets == 256) P2(kind, pdt, 256);                                                                    \
@@ -1012,8 +1033,8 @@ static double row_sq_scalar(const gefen_step_args *a, int64_t base, int64_t C, d
 #if GEFEN_X86
 /* g^2 of 16 gradient elements in fp32, widened to two fp64 vectors (elements 0-7, 8-15). */
 T5 static inline __attribute__((always_inline)) void sq_wide16(const gefen_step_args *a, int64_t i, __m512d *lo,
-                                                               __m512d *hi) {
-    __m512 g = ld16(a->grad, i, a->grad_dtype);
+                                                               __m512d *hi, const int gdt) {
+    __m512 g = ld16(a->grad, i, gdt);
     __m512 g2 = _mm512_mul_ps(g, g);
     *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g2));
     *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1)));
@@ -1023,7 +1044,7 @@ T5 static double row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
         __m512d lo, hi;
-        sq_wide16(a, base + c, &lo, &hi);
+        sq_wide16(a, base + c, &lo, &hi, (int)a->grad_dtype);
         s0 = _mm512_add_pd(s0, lo);
         s1 = _mm512_add_pd(s1, hi);
         _mm512_storeu_pd(col + c, _mm512_add_pd(_mm512_loadu_pd(col + c), lo));
@@ -1035,15 +1056,17 @@ T5 static double row_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C
 /* Four rows at once, the same sums as four row_sq_avx512 calls in row order (each row's two lane accumulators,
  * each column partial added row 0, 1, 2, 3 in turn), so bit-identical; the column partials are loaded and stored
  * once per four rows instead of once per row (for C = 4096 they fill L1 and competed with the gradient stream). */
-T5 static void rows4_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, double *col, double out[4]) {
+T5 static INLINE void rows4_sq_avx512_body(const gefen_step_args *a, int64_t base, int64_t C, double *col,
+                                          double out[4], const int gdt) {
     __m512d s[4][2];
     for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = _mm512_setzero_pd();
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
         __m512d clo = _mm512_loadu_pd(col + c), chi = _mm512_loadu_pd(col + c + 8);
+        UNROLL4
         for (int r = 0; r < 4; r++) {
             __m512d lo, hi;
-            sq_wide16(a, base + r * C + c, &lo, &hi);
+            sq_wide16(a, base + r * C + c, &lo, &hi, gdt);
             s[r][0] = _mm512_add_pd(s[r][0], lo);
             s[r][1] = _mm512_add_pd(s[r][1], hi);
             clo = _mm512_add_pd(clo, lo);
@@ -1056,6 +1079,11 @@ T5 static void rows4_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C
         double acc = _mm512_reduce_add_pd(_mm512_add_pd(s[r][0], s[r][1]));
         out[r] = row_sq_scalar_from(a, base + r * C, c, C, col, acc);
     }
+}
+T5 static void rows4_sq_avx512(const gefen_step_args *a, int64_t base, int64_t C, double *col, double out[4]) {
+    if (a->grad_dtype == DT_F32) rows4_sq_avx512_body(a, base, C, col, out, DT_F32);
+    else if (a->grad_dtype == DT_BF16) rows4_sq_avx512_body(a, base, C, col, out, DT_BF16);
+    else rows4_sq_avx512_body(a, base, C, col, out, DT_F16);
 }
 T2 static double row_sq_avx2(const gefen_step_args *a, int64_t base, int64_t C, double *col) {
     __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
@@ -1114,6 +1142,56 @@ static void stats_task(const void *ctx_, int64_t task, int64_t thread) {
 /* Below this many elements the step runs on the calling thread (waking the pool costs more). */
 #define PARALLEL_MIN_ELEMENTS 65536
 
+/* ------------------------------------------------------------------ the usability check of the gradients */
+/* nonfinite="skip"/"raise" (records with grad_bound > 0): every gradient value must be within the bound, |g| <=
+ * grad_bound in fp32, NaN failing (gefen.amp's rule, which keeps every sum of squares finite in fp32). It runs
+ * between the statistics and the first write: a record that fails it refuses the whole call, nothing changed. */
+static int usable_scalar(const gefen_step_args *a, int64_t i0, int64_t i1) {
+    const float bound = a->grad_bound;
+    for (int64_t i = i0; i < i1; i++)
+        if (!(fabsf(load1(a->grad, i, a->grad_dtype)) <= bound)) return 0;
+    return 1;
+}
+#if GEFEN_X86
+T5 static int usable_avx512(const gefen_step_args *a, int64_t i0, int64_t i1) {
+    const __m512 bound = _mm512_set1_ps(a->grad_bound);
+    __mmask16 ok = 0xffff;
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16)
+        ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(ld16(a->grad, i, a->grad_dtype)), bound, _CMP_LE_OQ);
+    return ok == 0xffff && usable_scalar(a, i, i1);
+}
+T2 static int usable_avx2(const gefen_step_args *a, int64_t i0, int64_t i1) {
+    const __m256 bound = _mm256_set1_ps(a->grad_bound);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8)
+        ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(ld8(a->grad, i, a->grad_dtype), absmask), bound, _CMP_LE_OQ));
+    return _mm256_movemask_ps(ok) == 0xff && usable_scalar(a, i, i1);
+}
+#endif
+/* 1 when every gradient value of [i0, i1) passes (see above). */
+static int usable_range(const gefen_step_args *a, int64_t i0, int64_t i1, int level) {
+#if GEFEN_X86
+    if (level >= LEVEL_AVX512) return usable_avx512(a, i0, i1);
+    if (level == LEVEL_AVX2) return usable_avx2(a, i0, i1);
+#else
+    (void)level;
+#endif
+    return usable_scalar(a, i0, i1);
+}
+/* A factored record's check from the row sums of its statistics pass: a value beyond the bound has fp32(g*g) >=
+ * fp32(bound*bound) (rounding is monotone), and a row's fp64 sum of non-negative squares is at least each of them;
+ * so only a row whose sum reaches fp32(bound*bound), or is NaN, is read again, element by element (never, for
+ * usable gradients: the check costs O(rows)). */
+static int factored_usable(const gefen_step_args *a, const double *row_sq, int level) {
+    const double limit = (double)(a->grad_bound * a->grad_bound);
+    for (int64_t r = 0; r < a->rows; r++)
+        if (!(row_sq[r] < limit) && !usable_range(a, r * a->cols, (r + 1) * a->cols, level)) return 0;
+    return 1;
+}
+
 /* Every code index read through the bucket table stays inside the tables: values in [0, 255], non-decreasing. */
 static int check_lut(const int32_t *lut) {
     for (int b = 0; b <= 4096; b++)
@@ -1127,7 +1205,7 @@ static int check_args(const gefen_step_args *a) {
     if (a->param_dtype < 0 || a->param_dtype > 2 || a->grad_dtype < 0 || a->grad_dtype > 2) return ERR_ARGS;
     if (a->kind < 0 || a->kind > 2 || a->steps < 0 || a->steps > 255 || !a->codes || !a->scale || !a->grad)
         return ERR_ARGS;
-    if (!a->codebook || !a->lut || !a->thresholds) return ERR_ARGS;
+    if (!a->codebook || !a->lut || !a->thresholds || !(a->grad_bound >= 0.0f)) return ERR_ARGS;
     if (a->kind == KIND_BLOCK && (!a->v || !a->param)) return ERR_ARGS;
     if (a->kind == KIND_MOMENTUM && !a->out) return ERR_ARGS;
     if (a->kind == KIND_FACTORED &&
@@ -1141,6 +1219,7 @@ typedef struct {
     block_ctx ctx;
     stats_ctx sctx;
     int64_t block_tasks, stat_tasks;
+    uint8_t *task_ok; /* (stat_tasks,) block / momentum records with grad_bound > 0: 1 when a check task passed */
     float *roots;  /* (R + C,) factored: row roots then column roots (first the updated row moments) */
     double *sums;  /* (R + C + stat_tasks * C,) factored: row sums, column sums, per-task column partials */
     double total;  /* factored: fp64 sum of the updated row moments */
@@ -1152,9 +1231,19 @@ typedef struct {
     const int64_t *task_local; /* flat task -> that parameter's task */
 } flat_ctx;
 
+/* The statistics phase: a factored record's statistics, or a checked record's usability check over
+ * TASK_ELEMENTS elements. */
 static void flat_stats_task(const void *ctx_, int64_t t, int64_t thread) {
     const flat_ctx *f = (const flat_ctx *)ctx_;
-    stats_task(&f->plans[f->task_param[t]].sctx, f->task_local[t], thread);
+    param_plan *plan = &f->plans[f->task_param[t]];
+    const gefen_step_args *a = plan->ctx.a;
+    const int64_t task = f->task_local[t];
+    if (a->kind == KIND_FACTORED) {
+        stats_task(&plan->sctx, task, thread);
+        return;
+    }
+    const int64_t i0 = task * TASK_ELEMENTS, i1 = i0 + TASK_ELEMENTS < a->numel ? i0 + TASK_ELEMENTS : a->numel;
+    plan->task_ok[task] = (uint8_t)usable_range(a, i0, i1, plan->ctx.level);
 }
 static void flat_block_task(const void *ctx_, int64_t t, int64_t thread) {
     const flat_ctx *f = (const flat_ctx *)ctx_;
@@ -1180,7 +1269,9 @@ static void run_flat(param_plan *plans, int64_t n, int stats, int64_t threads, i
             tp[k] = (int32_t)i;
             tl[k] = t;
             int64_t elements;
-            if (stats) {
+            if (stats && a->kind != KIND_FACTORED) {
+                elements = (t + 1) * TASK_ELEMENTS < a->numel ? TASK_ELEMENTS : a->numel - t * TASK_ELEMENTS;
+            } else if (stats) {
                 int64_t r0 = t * plans[i].sctx.rows_per_task, r1 = r0 + plans[i].sctx.rows_per_task;
                 elements = ((r1 < a->rows ? r1 : a->rows) - r0) * a->cols;
             } else {
@@ -1233,6 +1324,7 @@ static void factored_roots(const gefen_step_args *a, param_plan *plan, double to
 
 static void free_plans(param_plan *plans, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
+        free(plans[i].task_ok);
         free(plans[i].roots);
         free(plans[i].sums);
     }
@@ -1257,10 +1349,14 @@ static int fail_before_reduce(int rc, double *buffer, int64_t length, gefen_redu
  * reduce_offset (C + 1 doubles each, within buffer[0, length - 1)), `reduce` sums the buffer over the ranks in
  * place, and their moments use the all-rank sums. The last slot is a status: every rank calls `reduce` exactly
  * once when length > 0 (also with no such record of its own, and also when it fails before the reduce, with the
- * slot set), and a non-zero sum refuses the step on every rank with nothing changed. */
+ * slot set), and a non-zero sum refuses the step on every rank with nothing changed.
+ * Records with grad_bound > 0 are checked after the statistics (see usable_range): when one fails, the call returns
+ * ERR_UNUSABLE with nothing changed and, if `unusable` is given (n bytes), sets unusable[i] = 1 for each failing
+ * record i (0 for the others). */
 int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffer, int64_t length,
-                           gefen_reduce_fn reduce) {
+                           gefen_reduce_fn reduce, uint8_t *unusable) {
     if (length < 0 || (length > 0 && (!buffer || !reduce))) return ERR_ARGS;
+    if (unusable && n > 0) memset(unusable, 0, (size_t)n);
     if (n < 0 || (n > 0 && !args)) return fail_before_reduce(ERR_ARGS, buffer, length, reduce);
     if (n == 0) {
         if (length == 0) return OK;
@@ -1331,6 +1427,10 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
             plan->sctx = (stats_ctx){a, plan->sums, plan->sums + R + C, rows_per_task, level};
             plan->ctx.row_root = plan->roots;
             plan->ctx.col_root = plan->roots + R;
+        } else if (a->grad_bound > 0.0f && rc == OK) {
+            plan->stat_tasks = (a->numel + TASK_ELEMENTS - 1) / TASK_ELEMENTS;
+            plan->task_ok = (uint8_t *)malloc((size_t)plan->stat_tasks);
+            if (!plan->task_ok) rc = ERR_NOMEM;
         }
     }
     int32_t *tp = 0;
@@ -1357,6 +1457,20 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
     }
     if (rc == OK) { /* no write to a state or parameter before the reduce, nothing can fail after it */
         run_flat(plans, n, 1, threads, tp, tl, tc);
+        for (int64_t i = 0; i < n; i++) { /* the usability check: after the statistics, before any write */
+            const gefen_step_args *a = &args[i];
+            if (!(a->grad_bound > 0.0f)) continue;
+            int ok = 1;
+            if (a->kind == KIND_FACTORED) ok = factored_usable(a, plans[i].sums, plans[i].ctx.level);
+            else
+                for (int64_t t = 0; t < plans[i].stat_tasks && ok; t++) ok = plans[i].task_ok[t];
+            if (!ok) {
+                rc = ERR_UNUSABLE;
+                if (unusable) unusable[i] = 1;
+            }
+        }
+    }
+    if (rc == OK) {
         for (int64_t i = 0; i < n; i++) {
             if (args[i].kind != KIND_FACTORED) continue;
             plans[i].total = factored_sums(&args[i], &plans[i]);
@@ -1403,7 +1517,7 @@ int gefen_step_many(const gefen_step_args *args, int64_t n) {
     if (!args || n <= 0) return ERR_ARGS;
     for (int64_t i = 0; i < n; i++)
         if (args[i].global_rows > 0) return ERR_ARGS; /* sharded records need gefen_step_many_reduce */
-    return gefen_step_many_reduce(args, n, 0, 0, 0);
+    return gefen_step_many_reduce(args, n, 0, 0, 0, 0);
 }
 
 int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }
