@@ -205,12 +205,13 @@ def test_native_usability_check_flags_exactly_what_the_preflight_flags_and_chang
         second = {"block": (torch.rand(n // cols, generator=gen),),
                   "factored": (torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)), "momentum": ()}[kind]
         out = torch.zeros(n) if kind == "momentum" else None
-        tensors.append([t for t in (*st_.values(), *second, out) if t is not None])
+        counter = torch.tensor(7, dtype=torch.int64)  # the library advances it only when the call is applied
+        tensors.append([t for t in (*st_.values(), *second, out, counter) if t is not None])
         records.append(native.record(kind, grad=grad, codes=st_["codes"], scale=st_["scale"], tables=_tables(table),
                                      steps=table.steps, period=cols, beta1=0.9, shape=(rows, cols), beta2=0.999,
                                      eps=1e-8, lr=1e-2, weight_decay=0.1, step=3,
                                      param=None if kind == "momentum" else st_["param"], second=second, out=out,
-                                     grad_bound=native.as_float32(gefen.amp.usable_bound(n))))
+                                     grad_bound=native.as_float32(gefen.amp.usable_bound(n)), counter=counter))
         named.append((str(i), grad))
     expected = [int(name) for name in gefen.amp.unusable_names(named)]
     before = [[t.clone() for t in ts] for ts in tensors]
@@ -228,6 +229,7 @@ def test_native_usability_check_flags_exactly_what_the_preflight_flags_and_chang
         assert all(same(a, b) for ts, bs in zip(tensors, before) for a, b in zip(ts, bs))
     else:
         assert any(not same(a, b) for ts, bs in zip(tensors, before) for a, b in zip(ts[1:], bs[1:]))
+        assert all(int(ts[-1]) == 8 for ts in tensors)
 
 
 def _compiler() -> str | None:

@@ -108,6 +108,7 @@ class StepArgs(ctypes.Structure):
         ("grad_bound", ctypes.c_float),
         ("global_rows", ctypes.c_int64),
         ("reduce_offset", ctypes.c_int64),
+        ("counter", ctypes.c_void_p),
     ]
 
 
@@ -438,6 +439,7 @@ def record(
     global_rows: int = 0,
     reduce_offset: int = 0,
     grad_bound: float = 0.0,
+    counter: Tensor | None = None,
 ) -> tuple[object, ...]:
     """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
 
@@ -448,6 +450,9 @@ def record(
     ``grad_bound > 0`` checks the gradient before anything is written: a NaN or a value with ``|g| > grad_bound``
     (compared in fp32; :func:`gefen.amp.usable_bound` gives the bound) refuses the whole call, nothing changed, and
     :func:`run_records` names the record. 0 leaves it unchecked.
+
+    ``counter``: the parameter's int64 step counter (a contiguous 1-element CPU tensor, checked here), which the
+    library increments once the whole call has been applied (not on a refused or failed call).
 
     ``threads`` defaults to ``torch.get_num_threads()``. The per-step constants are computed in float64 exactly as
     the eager reference computes its Python scalars and
@@ -493,7 +498,16 @@ def record(
         grad_bound,
         global_rows,
         reduce_offset,
+        _counter_pointer(counter),
     )
+
+
+def _counter_pointer(counter: Tensor | None) -> int:
+    if counter is None:
+        return 0
+    if counter.dtype != torch.int64 or counter.device.type != "cpu" or counter.numel() != 1:
+        raise ValueError(f"a step counter must be a 1-element int64 CPU tensor, got {counter.dtype} {counter.shape}")
+    return counter.data_ptr()
 
 
 @functools.cache

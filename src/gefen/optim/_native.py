@@ -57,14 +57,13 @@ def run_native_jobs(
     hyperparameters once and keeps the per-parameter work to the record itself.
     """
     tables = (table.codebook, table.lut, table.thresholds)
-    records, keep, copies, steps, names = [], [], [], [], []
+    records, keep, copies, names, empty_steps = [], [], [], [], []
     hyper: dict[int, tuple[float, ...]] = {}
     threads = torch.get_num_threads()
     reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
     for item, group in jobs:
         state = local_state(states[item.param])
         codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
-        steps.append(step)
         param = item.target.detach()  # this rank's rows of a sharded parameter
         numel = param.numel()
         sharded_factored = item.shard is not None and state.get(SECOND_MOMENT_ROW) is not None
@@ -73,7 +72,8 @@ def run_native_jobs(
             assert item.shard is not None
             reduce_length += item.shard.row_length + 1
             group_of_shards = item.shard.group
-        if numel == 0:
+        if numel == 0:  # a rank without rows of a sharded parameter: only its counter moves
+            empty_steps.append(step)
             continue
         work = param if param.is_contiguous() else param.contiguous()
         if work is not param:
@@ -86,13 +86,13 @@ def run_native_jobs(
             grad = kernel_grad(grad, (numel,))
         kind = "factored" if factored else "block"
         call = {
-            "grad": grad.view(-1),
+            "grad": grad,
             "codes": codes,
             "scale": scale,
             "tables": tables,
             "steps": table.steps,
             "period": codes.shape[1],
-            "param": work.view(-1),
+            "param": work,
             "second": second,
             "shape": tuple(param.shape) if factored else (0, 0),
         }
@@ -121,6 +121,7 @@ def run_native_jobs(
                 global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,
                 reduce_offset=offset if sharded_factored else 0,
                 grad_bound=as_float32(usable_bound(numel)) if check else 0.0,
+                counter=step,  # the library advances it once the whole step is applied
             )
         )
         names.append(item.name)
@@ -133,5 +134,6 @@ def run_native_jobs(
         return [names[i] for i in unusable]
     for param, work in copies:
         param.copy_(work)
-    torch._foreach_add_(steps, 1)
+    if empty_steps:
+        torch._foreach_add_(empty_steps, 1)
     return []

@@ -91,6 +91,8 @@ typedef struct {
     int64_t global_rows;      /* factored, row-sharded (FSDP2): the parameter's rows on all ranks; 0: not sharded */
     int64_t reduce_offset;    /* factored, row-sharded: where its column sums and row-moment total go in the
                                  buffer of gefen_step_many_reduce (C + 1 doubles) */
+    int64_t *counter;         /* optional (0: none): the parameter's step counter, incremented once the step of
+                                 every record has been applied (never on an error return) */
 } gefen_step_args;
 
 /* ------------------------------------------------------------------ threading (the process's OpenMP runtime) */
@@ -1498,6 +1500,8 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
             }
         }
         run_flat(plans, n, 0, threads, tp, tl, tc);
+        for (int64_t i = 0; i < n; i++)
+            if (args[i].counter) *args[i].counter += 1;
     }
     free(tp);
     free(tl);
