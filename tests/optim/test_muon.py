@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import gefen
 from gefen.errors import CheckpointError, ConfigError
 from gefen.math import newton_schulz as ns_module
 from gefen.math.newton_schulz import adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
+from gefen.optim._base import GefenOptimizer
 
 
 # ---------------------------------------------------------------------------------------------- Newton–Schulz
@@ -191,6 +194,60 @@ def test_gefen_muon_fused_option_validation() -> None:
         gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4))], fused="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="float64"):
         gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))], fused=True)
+
+
+def test_gefen_muon_is_built_by_the_shared_initialiser_like_gefen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GefenMuon subclasses Gefen with another signature. Both public constructors only translate their arguments
+    and call ``GefenOptimizer._init_optimizer``, so a fresh GefenMuon has every attribute a fresh Gefen has (the
+    step machinery it inherits reads them), and no constructor skips its parent's by naming a class."""
+    fresh_gefen = gefen.Gefen([nn.Parameter(torch.zeros(4, 4))])
+    fresh_muon = gefen.GefenMuon([nn.Parameter(torch.zeros(4, 4))])
+    assert sorted(vars(fresh_muon)) == sorted(vars(fresh_gefen))
+    calls = []
+
+    def record(self: GefenOptimizer, params: object, defaults: dict, **options: object) -> None:
+        calls.append((type(self).__name__, list(defaults), sorted(options["flags"])))  # type: ignore[call-overload]
+
+    monkeypatch.setattr(GefenOptimizer, "_init_optimizer", record)
+    for cls in (gefen.Gefen, gefen.GefenMuon):
+        assert vars(cls([nn.Parameter(torch.zeros(4, 4))])) == {}  # the constructor itself sets nothing up
+    assert calls == [
+        ("Gefen", ["lr", "betas", "eps", "weight_decay", "factored_v_2d"], ["factored_v_2d"]),
+        (
+            "GefenMuon",
+            ["lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "ns_schedule", "adjust_lr_fn"]
+            + ["normuon", "normuon_beta2", "normuon_eps", "sharded_mode"],
+            ["nesterov", "normuon"],
+        ),
+    ]
+    source = Path(gefen.__file__).parent
+    explicit = [
+        f"{path.relative_to(source)}:{number}: {line.strip()}"
+        for path in sorted(source.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bsuper\(\s*\w|\b\w+\.__init__\(\s*self\b", line)
+    ]
+    assert explicit == []
+
+
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon])
+@pytest.mark.parametrize(
+    ("kwargs", "env", "error", "message"),
+    [
+        ({"bogus": 1}, "1", TypeError, r"^{kind}\.__init__\(\) got an unexpected keyword argument 'bogus'$"),
+        ({"foreach": True}, "1", ConfigError, r"^{kind} does not implement torch\.optim\.AdamW's foreach=True;"),
+        ({"fused": 1}, "1", TypeError, r"^{kind} fused=1 must be None, True or False\.$"),
+        ({"fused": True, "backend": "eager"}, "1", ConfigError, r"^{kind}: fused=True means backend='compiled'"),
+        ({}, "maybe", ConfigError, r"^environment variable GEFEN_FUSED='maybe' must be"),
+    ],
+)
+def test_shared_constructor_options_are_refused_by_both_optimizers(
+    monkeypatch: pytest.MonkeyPatch, cls: type, kwargs: dict, env: str, error: type, message: str
+) -> None:
+    """The checks both constructors share run once, in ``GefenOptimizer._init_optimizer``, naming the class."""
+    monkeypatch.setenv("GEFEN_FUSED", env)
+    with pytest.raises(error, match=message.format(kind=cls.__name__)):
+        cls([nn.Parameter(torch.zeros(4, 4))], **kwargs)
 
 
 def test_gefen_muon_resumes_bit_exactly_and_refused_loads_change_nothing() -> None:

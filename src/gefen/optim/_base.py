@@ -28,10 +28,10 @@ from gefen.amp import (
     wants_native_amp,
 )
 from gefen.checkpoint import LIVE_GROUP_CARRIERS, StagedLoad, attach_metadata, build_metadata, stage_load
-from gefen.compiled import StepKernels
+from gefen.compiled import StepKernels, fused_by_default
 from gefen.errors import ConfigError, StepError
-from gefen.hyperparams import check_flags, check_group
-from gefen.kernels import group_backend
+from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
+from gefen.kernels import group_backend, resolve_backend_option
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
@@ -138,21 +138,49 @@ class GefenOptimizer(torch.optim.Optimizer):
     """Base class of the Gefen optimizers (not instantiated directly).
 
     Subclasses implement :meth:`_step_group` and :meth:`_second_moment_kind` and may extend
-    :meth:`_check_group`.
+    :meth:`_check_group`. Each public ``__init__`` checks only its own options, builds its ``defaults`` and calls
+    :meth:`_init_optimizer`, the one construction path: ``GefenMuon`` subclasses ``Gefen`` with another
+    signature, so it cannot run ``Gefen.__init__``, and everything the two share is set up there instead.
     """
 
     #: Name written into checkpoints and messages; subclasses override.
     kind: str = "GefenOptimizer"
 
-    def __init__(
+    def _init_optimizer(
         self,
         params: Any,
         defaults: dict[str, Any],
         *,
-        deterministic: bool = False,
-        capturable: bool = False,
-        nonfinite: str | None = None,
+        flags: Mapping[str, object],
+        backend: str,
+        fused: bool | None,
+        deterministic: bool,
+        capturable: bool,
+        nonfinite: str | None,
+        torch_options: Mapping[str, Any],
     ) -> None:
+        """Validate the options every Gefen optimizer shares, then build the optimizer (``torch.optim``'s
+        constructor, the codebook slot, counters, per-process caches, the checkpoint hook).
+
+        Args:
+            params: the constructor's ``params``.
+            defaults: the subclass's hyperparameters (``backend`` and ``fused`` are appended here).
+            flags: the subclass's own boolean options, type-checked here with ``fused``.
+            backend, fused, deterministic, capturable, nonfinite: the constructor's arguments.
+            torch_options: the constructor's remaining keyword arguments (``torch.optim`` options).
+
+        Raises:
+            TypeError, ConfigError: an unknown or unsupported keyword argument, a flag of another type, an invalid
+                ``backend``/``fused``/``GEFEN_FUSED``, an option refused by :meth:`_check_defaults`, a policy
+                combination or hyperparameter that cannot be honoured, bad ``params`` (see :class:`gefen.Gefen`).
+        """
+        refuse_torch_only_options(self.kind, torch_options)
+        check_flags(self.kind, {**flags, "fused": fused}, optional=("fused",))
+        backend = resolve_backend_option(self.kind, backend, fused, ConfigError)
+        if fused is None:
+            fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
+        defaults = {**defaults, "backend": backend, "fused": fused}
+        self._check_defaults(defaults)
         check_flags(self.kind, {"deterministic": deterministic, "capturable": capturable})
         self.nonfinite = resolve_nonfinite(self.kind, nonfinite, deterministic, capturable)
         self.deterministic = deterministic
@@ -168,12 +196,16 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step = 0
         self._skipped_steps = 0
         self._init_runtime()
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # torch.optim.Optimizer's
         # capturable=True: the global step is a device counter (graph replays run no Python)
         self._global_step_t: Tensor | None = (
             torch.zeros((), dtype=torch.int64, device=self._codebook_device()) if capturable else None
         )
         self.register_state_dict_post_hook(_add_metadata, prepend=True)
+
+    def _check_defaults(self, defaults: Mapping[str, Any]) -> None:
+        """Subclass hook: validate the subclass's own options in the constructor's ``defaults`` (raise
+        ConfigError)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""

@@ -23,15 +23,8 @@ from gefen.compiled import (
     lerp_high,
 )
 from gefen.errors import ConfigError, StepError
-from gefen.hyperparams import as_float, check_flags, refuse_torch_only_options
-from gefen.kernels import (
-    auto_backend,
-    group_backend,
-    native_status,
-    native_supports,
-    resolve_backend_option,
-    runs_natively,
-)
+from gefen.hyperparams import as_float
+from gefen.kernels import auto_backend, group_backend, native_status, native_supports, runs_natively
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -262,21 +255,24 @@ class Gefen(GefenOptimizer):
         nonfinite: str | None = None,
         **torch_options: Any,
     ) -> None:
-        refuse_torch_only_options("Gefen", torch_options)
-        check_flags("Gefen", {"factored_v_2d": factored_v_2d, "fused": fused}, optional=("fused",))
-        backend = resolve_backend_option("Gefen", backend, fused, ConfigError)
-        if fused is None:
-            fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
             "lr": lr,
             "betas": tuple(betas) if isinstance(betas, list) else betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
-            "backend": backend,
-            "fused": fused,
         }
-        super().__init__(params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite)
+        self._init_optimizer(
+            params,
+            defaults,
+            flags={"factored_v_2d": factored_v_2d},
+            backend=backend,
+            fused=fused,
+            deterministic=deterministic,
+            capturable=capturable,
+            nonfinite=nonfinite,
+            torch_options=torch_options,
+        )
 
     def _publish_load(self, staged: StagedLoad) -> None:
         """Publish a load, keeping each group's live ``backend`` and ``fused``: saved hyperparameters win as in

@@ -9,10 +9,9 @@ import torch
 from torch import Tensor
 
 from gefen._warnings import warn_user
-from gefen.compiled import KernelSignature, constants_on, fused_by_default, kernel_grad, lerp_high
+from gefen.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
 from gefen.errors import ConfigError
-from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps, check_flags, refuse_torch_only_options
-from gefen.kernels import resolve_backend_option
+from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps
 from gefen.kernels.native import native_step
 from gefen.math.fused import SCALARS, fused_momentum_, write_param_
 from gefen.math.moments import apply_update_, update_quantized_moment
@@ -122,11 +121,6 @@ class GefenMuon(Gefen):
         nonfinite: str | None = None,
         **torch_options: Any,
     ) -> None:
-        refuse_torch_only_options("GefenMuon", torch_options)
-        check_flags("GefenMuon", {"nesterov": nesterov, "normuon": normuon, "fused": fused}, optional=("fused",))
-        backend = resolve_backend_option("GefenMuon", backend, fused, ConfigError)
-        if fused is None:
-            fused_by_default()  # a bad GEFEN_FUSED is refused at construction, not at the first step
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -140,15 +134,23 @@ class GefenMuon(Gefen):
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
             "sharded_mode": sharded_mode,
-            "backend": backend,
-            "fused": fused,
         }
-        _check_muon_group(defaults, "GefenMuon")
-        super(Gefen, self).__init__(
-            params, defaults, deterministic=deterministic, capturable=capturable, nonfinite=nonfinite
+        self._init_optimizer(
+            params,
+            defaults,
+            flags={"nesterov": nesterov, "normuon": normuon},
+            backend=backend,
+            fused=fused,
+            deterministic=deterministic,
+            capturable=capturable,
+            nonfinite=nonfinite,
+            torch_options=torch_options,
         )
 
     # ------------------------------------------------------------------ hooks of the shared machinery
+    def _check_defaults(self, defaults: Mapping[str, Any]) -> None:
+        _check_muon_group(defaults, "GefenMuon")
+
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         where = f"GefenMuon param_groups[{index}]"
         _check_muon_group(group, where)
