@@ -13,7 +13,7 @@ Prints one JSON object::
      "ratio_gefen_compiled_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
      "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float,
      "ratio_gefen_vs_adamw_fused_1_thread": float, "nonfinite_check_s": float,
-     "nonfinite_check_fraction_of_gefen_step": float}
+     "nonfinite_check_fraction_of_gefen_step": float, "nonfinite_check_eager_s": float}
 
 ``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``backend="auto"``: the native kernels on
 the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, the same
@@ -34,9 +34,12 @@ per-pair ratios), because on a shared machine the clock drifts between rows meas
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
 ``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
-``nonfinite_check_s`` is the median time (seconds) of the NaN/Inf check a default (``nonfinite="skip"``) Gefen
-step makes over all the gradients before it changes anything (already inside the ``gefen`` rows' step times), and
-``nonfinite_check_fraction_of_gefen_step`` its share of the default Gefen step.
+``nonfinite_check_s`` is what the NaN/Inf check of a default (``nonfinite="skip"``) Gefen step costs (seconds):
+the median step time of the default Gefen minus that of ``nonfinite="propagate"``, stepped alternately (on the
+CPU the native step checks inside its own passes, so this is within noise of 0 and may come out negative);
+``nonfinite_check_fraction_of_gefen_step`` its share of the default Gefen step; ``nonfinite_check_eager_s`` the
+median time of the check as a separate read of every gradient (``gefen.amp.unusable_names``: one min/max reduction
+per gradient and one host read), which the other paths (CUDA, eager, the hybrid's preflight) make.
 ``peak_extra_memory_bytes`` is the peak memory above the level before the timed steps (CPU: Linux resident-set
 high-water mark; CUDA: allocator peak). Gradients are fixed random tensors: the step only reads them. No
 assertion on speed is made here; the issues set the bounds.
@@ -337,7 +340,16 @@ def main() -> None:
             args.warmup,
         )
     torch.set_num_threads(threads)
-    check_s = time_nonfinite_check(named, device, 2 * args.steps)
+    print("[step.py] interleaved gefen nonfinite='propagate' / default ...", file=sys.stderr, flush=True)
+    check_pair = interleaved(
+        lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, nonfinite="propagate"),
+        lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1),
+        device,
+        2 * args.steps,
+        args.warmup,
+    )
+    check_s = check_pair["b_s"] - check_pair["a_s"]
+    check_eager_s = time_nonfinite_check(named, device, 2 * args.steps)
 
     def ratio(name: str) -> float | None:
         return results[name]["opt_step_time_s"] / fused_s if name in results else None
@@ -365,6 +377,7 @@ def main() -> None:
                 else None,
                 "nonfinite_check_s": check_s,
                 "nonfinite_check_fraction_of_gefen_step": check_s / pairs[""]["b_s"],
+                "nonfinite_check_eager_s": check_eager_s,
             },
             indent=2,
         )

@@ -6,7 +6,8 @@ Policies (the ``nonfinite=`` option of every Gefen optimizer):
   square overflows float32 (see :func:`gefen.amp.usable_bound`) changes nothing: parameters, state, codebook,
   counters and the global step stay as they were; the step warns naming the parameters and counts itself in
   ``skipped_steps`` (saved in checkpoints). The check is one min/max reduction per gradient and one host read
-  per step (on the CPU the host read is free).
+  per step; on a steady CPU step of the native backend the library makes it inside its own passes instead
+  (see ``Gefen._defers_finite_check``).
 * ``"raise"`` — the same check, but the step raises :class:`~gefen.errors.StepError` (nothing changed); the
   default under ``deterministic=True``.
 * ``"propagate"`` — let them through like ``torch.optim.AdamW`` (the run is poisoned); only a parameter's first
