@@ -429,7 +429,7 @@ def test_the_recipe_into_a_hybrid_takes_the_checkpoint_s_hybrid_counters():
 
 
 # ------------------------------------------------------- groups, lr, closures, late parameters, refusals, copies
-# (once Gefen's alone, in test_gefen_contract.py; now for every optimizer from KINDS where it applies)
+# (once checked for Gefen alone; now for every optimizer from KINDS where it applies)
 THREE = ("inp", "mid", "out")
 
 
