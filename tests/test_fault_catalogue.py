@@ -1,8 +1,10 @@
 """One table-driven catalogue of bad inputs and faults (hardening.md §6 and §10), for every Gefen optimizer.
 
-Each :class:`Case` names the optimizer (``gefen``, ``muon``, ``hybrid_gefen``, ``hybrid_adamw``), the phase
-(``construct``, ``step`` or ``load``), the fault, the exception it must raise and a regex of its message. A few
-parametrized drivers run them:
+The catalogue is one table per optimizer (:data:`CATALOGUE`: ``gefen``, ``muon``, ``hybrid_gefen``,
+``hybrid_adamw``), each a list of :class:`Case`; what differs between the optimizers under test (the model, how the
+optimizer is built, the options of a true-fp16 rig) is data too (:data:`OPTIMIZERS`), so the drivers read the tables
+and never ask which optimizer they hold. Each case names the phase (``construct``, ``step`` or ``load``), the fault,
+the exception it must raise and a regex of its message. A few parametrized drivers run them:
 
 * construct: the constructor raises.
 * step: the fault is applied to a rig on its very first step (no state, the codebook must stay ``None``) and after
@@ -21,6 +23,7 @@ Tensors are compared bit for bit (dtype, shape and raw bytes), which is ``torch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import re
@@ -50,24 +53,71 @@ class Boom(Exception):
 
 
 # ============================================================================================ rigs
-def _model(kind: str) -> nn.Module:
+def _matrices() -> nn.Module:
+    """GefenMuon's model: it takes 2-D matrices only."""
     torch.manual_seed(0)
-    if kind == "muon":  # GefenMuon takes 2-D matrices only
-        return nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
+    return nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
+
+
+def _embedding_and_linears() -> nn.Module:
+    torch.manual_seed(0)
     return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32), nn.Linear(32, 16))
 
 
-def _build(kind: str, model: nn.Module, **options: Any) -> torch.optim.Optimizer:
-    """The optimizer under test; Gefen and GefenMuon get two caller groups (so group mirrors can disagree)."""
-    kw = {"lr": 1e-2, "fused": False, **options}
+def _gefen_in_two_groups(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
+    """0.weight (embedding), 1.weight, 1.bias | 2.weight, 2.bias (two caller groups, so group mirrors can
+    disagree)."""
     named = list(model.named_parameters())
-    if kind == "gefen":  # 0.weight (embedding), 1.weight, 1.bias | 2.weight, 2.bias
-        return gefen.Gefen([{"params": named[:3]}, {"params": named[3:], "weight_decay": 0.1}], **kw)
-    if kind == "muon":  # 0.weight | 1.weight, NorMuon on (its state has normuon_v / normuon_step)
-        return gefen.GefenMuon([{"params": named[:1]}, {"params": named[1:]}], normuon=True, **kw)
-    # Muon half: 1.weight, 2.weight; backup half: 0.weight (embedding), 1.bias, 2.bias
-    kw.setdefault("backup_optimizer", kind.split("_")[1])
-    return gefen.GefenMuonHybrid(model, **kw)
+    return gefen.Gefen([{"params": named[:3]}, {"params": named[3:], "weight_decay": 0.1}], **kw)
+
+
+def _muon_in_two_groups(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
+    """0.weight | 1.weight, NorMuon on (its state has normuon_v / normuon_step)."""
+    named = list(model.named_parameters())
+    return gefen.GefenMuon([{"params": named[:1]}, {"params": named[1:]}], normuon=True, **kw)
+
+
+def _hybrid(backup: str) -> Callable[..., torch.optim.Optimizer]:
+    """Muon half: 1.weight, 2.weight; backup half: 0.weight (embedding), 1.bias, 2.bias."""
+
+    def build(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
+        kw.setdefault("backup_optimizer", backup)
+        return gefen.GefenMuonHybrid(model, **kw)
+
+    return build
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """What differs between the optimizers under test.
+
+    Attributes:
+        model: builds the (seeded) model.
+        build: ``(model, **options) -> optimizer``.
+        amp_options: options a true-fp16 rig adds (the case's own options win).
+    """
+
+    model: Callable[[], nn.Module]
+    build: Callable[..., torch.optim.Optimizer]
+    amp_options: dict[str, Any] = field(default_factory=dict)
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    "gefen": Optimizer(_embedding_and_linears, _gefen_in_two_groups),
+    "muon": Optimizer(_matrices, _muon_in_two_groups),
+    "hybrid_gefen": Optimizer(_embedding_and_linears, _hybrid("gefen")),
+    # torch AdamW keeps fp16 moments: eps=1e-8 would round to 0 (0/0 = NaN)
+    "hybrid_adamw": Optimizer(_embedding_and_linears, _hybrid("adamw"), amp_options={"eps": 1e-3}),
+}
+
+
+def _model(kind: str) -> nn.Module:
+    return OPTIMIZERS[kind].model()
+
+
+def _build(kind: str, model: nn.Module, **options: Any) -> torch.optim.Optimizer:
+    """The optimizer under test."""
+    return OPTIMIZERS[kind].build(model, **{"lr": 1e-2, "fused": False, **options})
 
 
 @dataclass
@@ -106,8 +156,7 @@ def _fresh(kind: str, options: dict[str, Any], amp: bool = False) -> Rig:
     opts = dict(options)
     if amp:
         model.half()
-        if kind == "hybrid_adamw":
-            opts.setdefault("eps", 1e-3)  # torch AdamW keeps fp16 moments: eps=1e-8 would round to 0 (0/0 = NaN)
+        opts = {**OPTIMIZERS[kind].amp_options, **opts}
     rig = Rig(kind, model, _build(kind, model, **opts))
     if amp:
         rig.scaler = torch.amp.GradScaler("cpu")
@@ -242,7 +291,6 @@ class Case:
 
     Attributes:
         id: test id.
-        kind: ``gefen`` | ``muon`` | ``hybrid_gefen`` | ``hybrid_adamw``.
         phase: ``construct`` | ``step`` | ``load``.
         fault: construct: ``() -> None`` (``None``: build with ``options``); step: ``(rig) -> undo | None``,
             applied after the step's gradients are set; load: ``(checkpoint, rig) -> dict to load``.
@@ -254,10 +302,11 @@ class Case:
         amp: step only: true fp16 parameters driven by ``torch.amp.GradScaler("cpu")``.
         after: extra check ``(rig) -> None`` once the fault was refused.
         xfail: reason, for a known source discrepancy (strict).
+        kind: ``gefen`` | ``muon`` | ``hybrid_gefen`` | ``hybrid_adamw``: the table the case is in (set by
+            :data:`CASES`).
     """
 
     id: str
-    kind: str
     phase: str
     fault: Callable[..., Any] | None
     exc: type[BaseException] | None
@@ -268,18 +317,12 @@ class Case:
     amp: bool = False
     after: Callable[[Rig], None] | None = None
     xfail: str | None = None
-
-
-CASES: list[Case] = []
-
-
-def _add(*cases: Case) -> None:
-    CASES.extend(cases)
+    kind: str = ""
 
 
 # -------------------------------------------------------------------------------------------- construct
-def construct(id: str, kind: str, exc: type[BaseException], match: str, fault=None, **options: Any) -> Case:
-    return Case(id, kind, "construct", fault, exc, match, warm=(), options=options)
+def construct(id: str, exc: type[BaseException], match: str, fault=None, **options: Any) -> Case:
+    return Case(id, "construct", fault, exc, match, warm=(), options=options)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -290,146 +333,15 @@ def _in_two_groups(w: nn.Parameter) -> Any:
     return gefen.Gefen([{"params": [w]}, {"params": [w]}], fused=False)
 
 
-def _duplicate(kind: str) -> Callable[[], Any]:
+def _duplicate(make: Callable[[nn.Parameter], Any]) -> Callable[[], Any]:
+    """Build an optimizer with one parameter passed twice: ``make(w)``."""
     w = _param(4, 4)
-    if kind == "gefen":
-        return lambda: gefen.Gefen([w, w], fused=False)
-    if kind == "muon":
-        return lambda: gefen.GefenMuon([w, w], fused=False)
-    return lambda: gefen.GefenMuonHybrid([("a.weight", w), ("b.weight", w)], lr=1e-3, fused=False)
-
-
-_add(
-    construct("deterministic=1", "gefen", TypeError, r"deterministic=1 must be a bool", deterministic=1),
-    construct("deterministic='true'", "gefen", TypeError, r"deterministic='true' must be a bool", deterministic="true"),
-    construct("deterministic=1", "muon", TypeError, r"deterministic=1 must be a bool", deterministic=1),
-    construct("deterministic=1", "hybrid_gefen", TypeError, r"deterministic=1 must be a bool", deterministic=1),
-    construct(
-        "deterministic='true'", "hybrid_adamw", TypeError, r"deterministic.*must be a bool", deterministic="true"
-    ),
-    construct("capturable=1", "gefen", TypeError, r"capturable=1 must be a bool", capturable=1),
-    construct("capturable=1", "muon", TypeError, r"capturable=1 must be a bool", capturable=1),
-    construct("capturable=1", "hybrid_gefen", TypeError, r"capturable=1 must be a bool", capturable=1),
-    construct("nonfinite='maybe'", "gefen", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
-    construct("nonfinite='maybe'", "muon", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
-    construct("nonfinite='maybe'", "hybrid_adamw", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
-    construct(
-        "deterministic+propagate",
-        "gefen",
-        ConfigError,
-        r"refuses to let non-finite",
-        deterministic=True,
-        nonfinite="propagate",
-    ),
-    construct(
-        "deterministic+propagate",
-        "hybrid_gefen",
-        ConfigError,
-        r"refuses to let non-finite",
-        deterministic=True,
-        nonfinite="propagate",
-    ),
-    *[
-        construct(
-            "capturable+skip", k, ConfigError, r"capturable=True.*nonfinite='skip'", capturable=True, nonfinite="skip"
-        )
-        for k in ("gefen", "muon", "hybrid_gefen")
-    ],
-    construct(
-        "capturable+deterministic",
-        "gefen",
-        ConfigError,
-        r"capturable=True.*deterministic=True",
-        capturable=True,
-        deterministic=True,
-    ),
-    construct(
-        "capturable+deterministic",
-        "muon",
-        ConfigError,
-        r"capturable=True.*deterministic=True",
-        capturable=True,
-        deterministic=True,
-    ),
-    construct(
-        "capturable+raise",
-        "gefen",
-        ConfigError,
-        r"capturable=True.*nonfinite='raise'",
-        capturable=True,
-        nonfinite="raise",
-    ),
-    construct(
-        "capturable+raise",
-        "hybrid_gefen",
-        ConfigError,
-        r"capturable=True.*nonfinite='raise'",
-        capturable=True,
-        nonfinite="raise",
-    ),
-    construct("eps=0", "gefen", ConfigError, r"\['eps'\]=0\.0 must be a finite number > 0", eps=0.0),
-    construct("eps=-1", "gefen", ConfigError, r"\['eps'\]=-1.* > 0", eps=-1.0),
-    construct("eps=nan", "gefen", ConfigError, r"\['eps'\]=nan.* > 0", eps=NAN),
-    construct("eps=inf", "gefen", ConfigError, r"\['eps'\]=inf.* > 0", eps=INF),
-    construct("eps=0", "muon", ConfigError, r"\['eps'\]=0\.0", eps=0.0),
-    construct("eps=nan", "muon", ConfigError, r"\['eps'\]=nan", eps=NAN),
-    construct("normuon_eps=0", "muon", ConfigError, r"normuon_eps", normuon_eps=0.0),
-    construct("eps=0", "hybrid_gefen", ConfigError, r"GefenMuonHybrid: eps=0\.0", eps=0.0),
-    construct("eps=-1", "hybrid_adamw", ConfigError, r"GefenMuonHybrid: eps=-1\.0", eps=-1.0),
-    construct(
-        "betas=(0.9,1.0)", "gefen", ConfigError, r"\['betas'\]\[1\]=1\.0 must be a number in \[0, 1\)", betas=(0.9, 1.0)
-    ),
-    construct("betas=(0.9,1.0)", "hybrid_gefen", ConfigError, r"GefenMuonHybrid: betas\[1\]", betas=(0.9, 1.0)),
-    construct("betas=(0.9,1.0)", "hybrid_adamw", ConfigError, r"GefenMuonHybrid: betas\[1\]", betas=(0.9, 1.0)),
-    construct("lr=-1", "gefen", ConfigError, r"\['lr'\]=-1\.0 must be a finite number >= 0", lr=-1.0),
-    construct("lr=-1", "muon", ConfigError, r"\['lr'\]=-1\.0", lr=-1.0),
-    construct("lr=-1", "hybrid_adamw", ConfigError, r"GefenMuonHybrid: lr=-1\.0", lr=-1.0),
-    construct("lr=2-element tensor", "gefen", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
-    construct("lr=2-element tensor", "muon", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
-    construct("weight_decay=-0.1", "gefen", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
-    construct("weight_decay=-0.1", "muon", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
-    construct("momentum=1.0", "muon", ConfigError, r"\['momentum'\]=1\.0 must be a number in \[0, 1\)", momentum=1.0),
-    construct("momentum=1.0", "hybrid_gefen", ConfigError, r"\['momentum'\]=1\.0", momentum=1.0),
-    construct(
-        "1-D parameter",
-        "muon",
-        ConfigError,
-        r"shape \(16,\); GefenMuon optimizes 2-D",
-        fault=lambda: gefen.GefenMuon([_param(16)], fused=False),
-    ),
-    construct("backup_optimizer='sgd'", "hybrid_gefen", ConfigError, r"backup_optimizer='sgd'", backup_optimizer="sgd"),
-    construct(
-        "capturable with adamw backup",
-        "hybrid_adamw",
-        ConfigError,
-        r"capturable=True, backup_optimizer='adamw'.*not supported",
-        capturable=True,
-    ),
-    construct("empty params", "gefen", ValueError, r"empty", fault=lambda: gefen.Gefen([], fused=False)),
-    construct("empty params", "muon", ValueError, r"empty", fault=lambda: gefen.GefenMuon([], fused=False)),
-    construct(
-        "no params",
-        "hybrid_gefen",
-        ConfigError,
-        r"got no parameter",
-        fault=lambda: gefen.GefenMuonHybrid(nn.ReLU(), lr=1e-3, fused=False),
-    ),
-    construct("duplicate param", "gefen", ConfigError, r"same parameter twice", fault=_duplicate("gefen")),
-    construct("duplicate param", "muon", ConfigError, r"same parameter twice", fault=_duplicate("muon")),
-    construct("duplicate param", "hybrid_gefen", ValueError, r"appears twice", fault=_duplicate("hybrid_gefen")),
-    construct(
-        "param in two groups",
-        "gefen",
-        ValueError,
-        r"more than one parameter group",
-        fault=lambda: _in_two_groups(_param(4, 4)),
-    ),
-)
+    return lambda: make(w)
 
 
 # -------------------------------------------------------------------------------------------- step faults
-def step(id: str, kind: str, fault, exc, match: str, warm=(0, WARM), xfail=None, after=None, **options) -> Case:
-    return Case(id, kind, "step", fault, exc, match, warm=warm, options=options, xfail=xfail, after=after)
+def step(id: str, fault, exc, match: str, warm=(0, WARM), xfail=None, after=None, **options) -> Case:
+    return Case(id, "step", fault, exc, match, warm=warm, options=options, xfail=xfail, after=after)
 
 
 def _sparse(name: str):
@@ -502,234 +414,108 @@ def _flatten_param(name: str):
     return fault
 
 
-# the parameter that receives the bad gradient: the second one; for the hybrids once in each half
-TARGETS = {
-    "gefen": ("1.weight",),
-    "muon": ("1.weight",),
-    "hybrid_gefen": ("2.weight", "1.bias"),  # Muon half, backup half
-    "hybrid_adamw": ("2.weight", "1.bias"),
-}
-BACKUP = {"gefen": "1.weight", "muon": "1.weight", "hybrid_gefen": "1.bias", "hybrid_adamw": "1.bias"}
-
-
-def _where(kind: str, name: str) -> str:
-    if not kind.startswith("hybrid"):
-        return f"{kind}/{name}"
-    return f"{kind}/{'muon-half' if name.endswith('weight') else 'backup-half'}"
-
-
-for _kind in KINDS:
-    for _name in TARGETS[_kind]:
-        _w = _where(_kind, _name)
-        _add(
-            step(f"sparse grad/{_w}", _kind, _sparse(_name), StepError, rf"{re.escape(_name)}.*sparse_coo"),
-            step(
-                f"complex grad/{_w}",
-                _kind,
-                _regrad(_name, lambda p: torch.ones(p.shape, dtype=torch.complex64)),
-                StepError,
-                rf"{re.escape(_name)}.*complex64",
-            ),
-            step(
-                f"wrong-shape grad/{_w}",
-                _kind,
-                _regrad(_name, lambda p: torch.ones(p.shape[0] + 1, *p.shape[1:])),
-                StepError,
-                rf"{re.escape(_name)}.*shape \((17|33)\b",
-            ),
-            step(
-                f"int64 grad/{_w}",
-                _kind,
-                _regrad(_name, lambda p: torch.ones(p.shape, dtype=torch.int64)),
-                StepError,
-                rf"{re.escape(_name)}.*int64",
-            ),
-        )
-
 _SKIPPED = r"skipped this step because the gradients of {} hold NaN/Inf.*nothing was changed \(1 skipped step"
 PROPAGATE = {"nonfinite": "propagate"}
-_add(
-    # under the default nonfinite="skip" a NaN gradient skips the step (first or later): warned, counted, nothing
-    # else changes; under "propagate" a parameter's first gradient is still refused (period search and codebook)
-    *[
+
+
+def _bad_gradients(kind: str, targets: dict[str, str]) -> list[Case]:
+    """A sparse, complex, wrong-shape and int64 gradient on each target parameter (``name: label`` in the ids)."""
+    return [
+        c
+        for name, label in targets.items()
+        for c in (
+            step(f"sparse grad/{kind}/{label}", _sparse(name), StepError, rf"{re.escape(name)}.*sparse_coo"),
+            step(
+                f"complex grad/{kind}/{label}",
+                _regrad(name, lambda p: torch.ones(p.shape, dtype=torch.complex64)),
+                StepError,
+                rf"{re.escape(name)}.*complex64",
+            ),
+            step(
+                f"wrong-shape grad/{kind}/{label}",
+                _regrad(name, lambda p: torch.ones(p.shape[0] + 1, *p.shape[1:])),
+                StepError,
+                rf"{re.escape(name)}.*shape \((17|33)\b",
+            ),
+            step(
+                f"int64 grad/{kind}/{label}",
+                _regrad(name, lambda p: torch.ones(p.shape, dtype=torch.int64)),
+                StepError,
+                rf"{re.escape(name)}.*int64",
+            ),
+        )
+    ]
+
+
+def _nan_skipped(kind: str, *names: str) -> list[Case]:
+    """Under the default nonfinite="skip" a NaN gradient skips the step (first or later): warned, counted, nothing
+    else changes."""
+    return [
         step(
-            f"NaN grad, default skips/{k}/{name}", k, _poison(name, NAN), UserWarning, _SKIPPED.format(re.escape(name))
+            f"NaN grad, default skips/{kind}/{name}", _poison(name, NAN), UserWarning, _SKIPPED.format(re.escape(name))
         )
-        for k, name in (
-            ("gefen", "1.weight"),
-            ("muon", "1.weight"),
-            ("hybrid_gefen", "2.weight"),
-            ("hybrid_gefen", "1.bias"),
-            ("hybrid_adamw", "2.weight"),
-            ("hybrid_adamw", "1.bias"),
-        )
-    ],
-    step(
-        "huge grad, default skips/gefen", "gefen", _poison("1.weight", 1e20), UserWarning, _SKIPPED.format("1.weight")
-    ),
-    step(
-        "NaN first grad/gefen/propagate",
-        "gefen",
-        _poison("1.weight", NAN),
-        StepError,
-        r"1\.weight has NaN/Inf",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    step(
-        "NaN first grad/muon/propagate",
-        "muon",
-        _poison("1.weight", NAN),
-        StepError,
-        r"1\.weight has NaN/Inf",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    # finite but beyond sqrt(float32 max): its square (the second moment) would overflow
-    step(
-        "huge first grad/gefen/propagate",
-        "gefen",
-        _poison("1.weight", 1e20),
-        StepError,
-        r"1\.weight.*sums of squares overflow",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    step(
-        "huge grad/gefen/nonfinite=raise",
-        "gefen",
-        _poison("1.weight", -1.5e19),  # its square is finite, its row sums are not
-        StepError,
-        r"1\.weight.*sums of squares overflow.*nonfinite='raise'",
-        warm=(WARM,),
-        nonfinite="raise",
-    ),
-    step(
-        "NaN first grad/hybrid_gefen/muon-half/propagate",
-        "hybrid_gefen",
-        _poison("2.weight", NAN),
-        StepError,
-        r"2\.weight has NaN/Inf",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    step(
-        "NaN first grad/hybrid_gefen/backup-half/propagate",
-        "hybrid_gefen",
-        _poison("1.bias", NAN),
-        StepError,
-        r"1\.bias has NaN/Inf",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    step(
-        "NaN first grad/hybrid_adamw/muon-half/propagate",
-        "hybrid_adamw",
-        _poison("2.weight", NAN),
-        StepError,
-        r"2\.weight has NaN/Inf",
-        warm=(0,),
-        **PROPAGATE,
-    ),
-    # GradScaler controls set by hand (malformed): refused before anything changes
-    *[
-        step(f"{what}/{k}", k, _amp_controls(**attrs), StepError, pattern)
-        for k in KINDS
+        for name in names
+    ]
+
+
+def _malformed_amp_controls(kind: str) -> list[Case]:
+    """GradScaler controls set by hand (malformed): refused before anything changes."""
+    return [
+        step(f"{what}/{kind}", _amp_controls(**attrs), StepError, pattern)
         for what, attrs, pattern in (
             ("found_inf 2 elements", {"found_inf": torch.zeros(2), "grad_scale": None}, r"found_inf must be a 1-el"),
             ("grad_scale=0", {"found_inf": torch.zeros(1), "grad_scale": torch.tensor([0.0])}, r"grad_scale=0\.0 must"),
             ("grad_scale=inf", {"found_inf": torch.zeros(1), "grad_scale": torch.tensor([INF])}, r"grad_scale=inf mu"),
             ("only found_inf", {"found_inf": torch.zeros(1)}, r"only 'found_inf'"),
         )
-    ],
-    # a user closure that raises: the exception propagates, nothing changed
-    *[step(f"closure raises/{k}", k, _closure_raises, Boom, r"boom") for k in KINDS],
-    # lr set to NaN by hand in a param group
-    step("lr=nan by hand/gefen", "gefen", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
-    step("lr=nan by hand/muon", "muon", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
-    step("lr=nan by hand/hybrid_gefen/muon-half", "hybrid_gefen", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
-    step("lr=nan by hand/hybrid_gefen/backup-half", "hybrid_gefen", _set_group(1, lr=NAN), ConfigError, r"'lr'\]=nan"),
-    step("lr=nan by hand/hybrid_adamw/muon-half", "hybrid_adamw", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
-    step(
-        "lr=nan by hand/hybrid_adamw/backup-half",
-        "hybrid_adamw",
-        _set_group(1, lr=NAN),
-        ConfigError,
-        r"lr",
-    ),
-    step(
-        "muon param flattened to 1-D (ZeRO)",
-        "muon",
-        _flatten_param("1.weight"),
-        ValueError,
-        r"2-D",
-    ),
-)
-for _kind in KINDS:
-    _b = BACKUP[_kind]
-    _pat = rf"{re.escape(_b)} has NaN/Inf"
-    _add(
+    ]
+
+
+def _closure_raising(kind: str) -> Case:
+    """A user closure that raises: the exception propagates, nothing changed."""
+    return step(f"closure raises/{kind}", _closure_raises, Boom, r"boom")
+
+
+def _nan_after_warm_up(kind: str, name: str) -> list[Case]:
+    """A NaN gradient on ``name`` after warm-up: refused under nonfinite='raise' and deterministic=True; the
+    documented contrast: "propagate" (like AdamW) lets it through."""
+    pattern = rf"{re.escape(name)} has NaN/Inf"
+    return [
         step(
-            f"NaN grad after warm-up, nonfinite='raise'/{_kind}",
-            _kind,
-            _poison(_b, NAN),
+            f"NaN grad after warm-up, nonfinite='raise'/{kind}",
+            _poison(name, NAN),
             StepError,
-            _pat + r".*nonfinite=.?raise",
+            pattern + r".*nonfinite=.?raise",
             warm=(WARM,),
             nonfinite="raise",
         ),
         step(
-            f"NaN grad after warm-up, deterministic=True/{_kind}",
-            _kind,
-            _poison(_b, NAN),
+            f"NaN grad after warm-up, deterministic=True/{kind}",
+            _poison(name, NAN),
             StepError,
-            _pat + r".*deterministic=True",
+            pattern + r".*deterministic=True",
             warm=(WARM,),
             deterministic=True,
         ),
-        # documented contrast: "propagate" (like AdamW) lets a NaN through after warm-up
         step(
-            f"NaN grad after warm-up, propagate (contrast)/{_kind}",
-            _kind,
-            _poison(_b, NAN),
+            f"NaN grad after warm-up, propagate (contrast)/{kind}",
+            _poison(name, NAN),
             None,
             "",
             warm=(WARM,),
             **PROPAGATE,
         ),
-    )
-_add(
-    step(
-        "inf grad after warm-up, nonfinite='raise'/hybrid_adamw/muon-half",
-        "hybrid_adamw",
-        _poison("2.weight", INF),
-        StepError,
-        r"2\.weight has NaN/Inf",
-        warm=(WARM,),
-        nonfinite="raise",
-    ),
-)
+    ]
 
 
 # -------------------------------------------------------------------------------------------- AMP overflow
-def _amp(id: str, kind: str, name: str) -> Case:
-    return Case(id, kind, "step", _poison(name, INF), None, "skipped: nothing changes, scale halved", amp=True)
-
-
-_add(
-    _amp("fp16 GradScaler overflow/gefen", "gefen", "1.weight"),
-    _amp("fp16 GradScaler overflow/muon", "muon", "1.weight"),
-    _amp("fp16 GradScaler overflow/hybrid_gefen/muon-half", "hybrid_gefen", "2.weight"),
-    _amp("fp16 GradScaler overflow/hybrid_gefen/backup-half", "hybrid_gefen", "1.bias"),
-    _amp("fp16 GradScaler overflow/hybrid_adamw/muon-half", "hybrid_adamw", "2.weight"),
-    _amp("fp16 GradScaler overflow/hybrid_adamw/backup-half", "hybrid_adamw", "0.weight"),
-)
+def _amp(id: str, name: str) -> Case:
+    return Case(id, "step", _poison(name, INF), None, "skipped: nothing changes, scale halved", amp=True)
 
 
 # -------------------------------------------------------------------------------------------- load faults
 def load(
     id: str,
-    kind: str,
     fault,
     exc=CheckpointError,
     match="",
@@ -741,7 +527,6 @@ def load(
 ) -> Case:
     return Case(
         id,
-        kind,
         "load",
         fault,
         exc,
@@ -886,11 +671,174 @@ def _pre_once_post_never(rig: Rig) -> None:
 
 _bad_codes = _entry(1, "first_moment_codes", fn=lambda t: t.float())
 
-_add(
-    # policy
+
+def _prehook_case(corrupt) -> Case:
+    """A load pre-hook returns a replacement corrupted by ``corrupt`` (its codebook stripped)."""
+    return load(
+        "load pre-hook returns a corrupted replacement",
+        _prehook_replaces(corrupt),
+        match=r"no frozen codebook",
+        after=_pre_once_post_never,
+    )
+
+
+def _hybrid_layout() -> list[Case]:
+    """The hybrid's layout (torch's, over both halves; and gefen 0.1's halves layout, loaded by migration)."""
+    return [
+        load(
+            "flat {state, param_groups} dict",
+            lambda sd, rig: {"state": {}, "param_groups": []},
+            match=r"not a GefenMuonHybrid checkpoint",
+        ),
+        load(
+            "the muon half on its own",
+            lambda sd, rig: _as_halves(sd)["muon"],
+            match=r"not a GefenMuonHybrid checkpoint: the 'gefen_hybrid' entry is missing",
+        ),
+        load(
+            "halves layout: missing backup half (key)",
+            _halves(lambda sd: sd.pop("backup")),
+            match=r"not a GefenMuonHybrid checkpoint",
+        ),
+        load(
+            "halves layout: missing backup half (None)",
+            _halves(lambda sd: sd.update(backup=None)),
+            match=r"backup half does not match",
+        ),
+        load(
+            "backup groups dropped",
+            _edit(lambda sd: sd.update(param_groups=[g for g in sd["param_groups"] if g["hybrid_half"] == "muon"])),
+            match=r"backup half does not match|no param group lists",
+        ),
+        load(
+            "a group without hybrid_half",
+            _edit(lambda sd: sd["param_groups"][0].pop("hybrid_half")),
+            match=r"param_groups\[0\]\['hybrid_half'\]=None must be",
+        ),
+        load(
+            "a Muon group after the backup groups",
+            _edit(lambda sd: sd["param_groups"].reverse()),
+            match=r"Muon group after backup groups",
+        ),
+        load(
+            "hybrid metadata copies differ",
+            _edit(lambda sd: sd["param_groups"][0].update(gefen_hybrid={**sd["gefen_hybrid"], "skipped_steps": 7})),
+            match=r"hybrid metadata.*copies differ",
+        ),
+        load(
+            "hybrid schema_version 2",
+            _edit(lambda sd: sd["gefen_hybrid"].update(schema_version=2)),
+            match=r"hybrid checkpoint schema_version=2",
+        ),
+        load(
+            "hybrid skipped_steps -1",
+            _edit(lambda sd: sd["gefen_hybrid"].update(skipped_steps=-1)),
+            match=r"hybrid skipped_steps=-1",
+        ),
+        load(
+            "a state entry no group lists",
+            _edit(lambda sd: sd["state"].update({999: sd["state"][0]})),
+            match=r"\[999\], which no param group lists",
+        ),
+        load("muon half codebook with NaN", _half("muon", _codebook(_nan_at)), match=r"muon half.*NaN"),
+        load(
+            "muon half normuon_step missing",
+            _half("muon", _entry(0, "normuon_step", pop=True)),
+            match=r"muon half.*has keys",
+        ),
+        load(
+            "muon half momentum=1.0",
+            _half("muon", _edit(lambda sd: sd["param_groups"][0].update(momentum=1.0))),
+            match=r"muon half.*momentum",
+        ),
+        load(
+            "extra backup param group",
+            _half("backup", _edit(_extra_group)),
+            match=r"backup half.*different number of parameter groups",
+        ),
+    ]
+
+
+# ============================================================================================ the tables
+# per-parameter state of the checkpoints below: index 1 = 1.weight (factored for Gefen); 2 = 1.bias (block);
+# 4 = 2.bias (Gefen's last parameter)
+GEFEN: list[Case] = [
+    # construct
+    construct("deterministic=1", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct("deterministic='true'", TypeError, r"deterministic='true' must be a bool", deterministic="true"),
+    construct("capturable=1", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct("nonfinite='maybe'", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct(
+        "deterministic+propagate", ConfigError, r"refuses to let non-finite", deterministic=True, nonfinite="propagate"
+    ),
+    construct("capturable+skip", ConfigError, r"capturable=True.*nonfinite='skip'", capturable=True, nonfinite="skip"),
+    construct(
+        "capturable+deterministic",
+        ConfigError,
+        r"capturable=True.*deterministic=True",
+        capturable=True,
+        deterministic=True,
+    ),
+    construct(
+        "capturable+raise", ConfigError, r"capturable=True.*nonfinite='raise'", capturable=True, nonfinite="raise"
+    ),
+    construct("eps=0", ConfigError, r"\['eps'\]=0\.0 must be a finite number > 0", eps=0.0),
+    construct("eps=-1", ConfigError, r"\['eps'\]=-1.* > 0", eps=-1.0),
+    construct("eps=nan", ConfigError, r"\['eps'\]=nan.* > 0", eps=NAN),
+    construct("eps=inf", ConfigError, r"\['eps'\]=inf.* > 0", eps=INF),
+    construct("betas=(0.9,1.0)", ConfigError, r"\['betas'\]\[1\]=1\.0 must be a number in \[0, 1\)", betas=(0.9, 1.0)),
+    construct("lr=-1", ConfigError, r"\['lr'\]=-1\.0 must be a finite number >= 0", lr=-1.0),
+    construct("lr=2-element tensor", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
+    construct("weight_decay=-0.1", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
+    construct("empty params", ValueError, r"empty", fault=lambda: gefen.Gefen([], fused=False)),
+    construct(
+        "duplicate param",
+        ConfigError,
+        r"same parameter twice",
+        fault=_duplicate(lambda w: gefen.Gefen([w, w], fused=False)),
+    ),
+    construct(
+        "param in two groups", ValueError, r"more than one parameter group", fault=lambda: _in_two_groups(_param(4, 4))
+    ),
+    # step: the bad gradient goes to the second parameter
+    *_bad_gradients("gefen", {"1.weight": "1.weight"}),
+    *_nan_skipped("gefen", "1.weight"),
+    step("huge grad, default skips/gefen", _poison("1.weight", 1e20), UserWarning, _SKIPPED.format("1.weight")),
+    # under "propagate" a parameter's first gradient is still refused (period search and codebook)
+    step(
+        "NaN first grad/gefen/propagate",
+        _poison("1.weight", NAN),
+        StepError,
+        r"1\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    # finite but beyond sqrt(float32 max): its square (the second moment) would overflow
+    step(
+        "huge first grad/gefen/propagate",
+        _poison("1.weight", 1e20),
+        StepError,
+        r"1\.weight.*sums of squares overflow",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    step(
+        "huge grad/gefen/nonfinite=raise",
+        _poison("1.weight", -1.5e19),  # its square is finite, its row sums are not
+        StepError,
+        r"1\.weight.*sums of squares overflow.*nonfinite='raise'",
+        warm=(WARM,),
+        nonfinite="raise",
+    ),
+    *_malformed_amp_controls("gefen"),
+    _closure_raising("gefen"),
+    step("lr=nan by hand/gefen", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
+    *_nan_after_warm_up("gefen", "1.weight"),
+    # AMP
+    _amp("fp16 GradScaler overflow/gefen", "1.weight"),
+    # load: policy
     load(
         "deterministic ckpt into non-deterministic",
-        "gefen",
         lambda sd, rig: sd,
         match=r"deterministic=True.*"
         r"intentional state migration",
@@ -898,303 +846,341 @@ _add(
     ),
     load(
         "non-deterministic ckpt into deterministic",
-        "gefen",
         lambda sd, rig: sd,
         match=r"deterministic=False.*"
         r"intentional state migration",
         options={"deterministic": True},
     ),
-    load(
-        "deterministic ckpt into non-deterministic",
-        "muon",
-        lambda sd, rig: sd,
-        match=r"deterministic=True",
-        source={"deterministic": True},
-    ),
-    load(
-        "non-deterministic ckpt into deterministic",
-        "hybrid_gefen",
-        lambda sd, rig: sd,
-        match=r"deterministic=False.*intentional state migration",
-        options={"deterministic": True},
-    ),
-    load(
-        "deterministic ckpt into non-deterministic",
-        "hybrid_adamw",
-        lambda sd, rig: sd,
-        match=r"deterministic=True.*intentional state migration",
-        source={"deterministic": True},
-    ),
-    load("deterministic tag 'true'", "gefen", _set_meta(deterministic="true"), match=r"must be a bool"),
-    load("deterministic tag 1", "gefen", _set_meta(deterministic=1), match=r"must be a bool"),
-    load("deterministic tag None (v2)", "gefen", _set_meta(deterministic=None), match=r"must be a bool"),
-    load("deterministic tag 1", "muon", _set_meta(deterministic=1), match=r"must be a bool"),
-    # metadata copies
+    load("deterministic tag 'true'", _set_meta(deterministic="true"), match=r"must be a bool"),
+    load("deterministic tag 1", _set_meta(deterministic=1), match=r"must be a bool"),
+    load("deterministic tag None (v2)", _set_meta(deterministic=None), match=r"must be a bool"),
+    # load: metadata copies
     load(
         "mirror on only some groups",
-        "gefen",
         _edit(lambda sd: sd["param_groups"][1].pop(GROUP_METADATA_KEY)),
         match=r"present on only some parameter groups",
     ),
-    load(
-        "mirror on only some groups",
-        "muon",
-        _edit(lambda sd: sd["param_groups"][0].pop(GROUP_METADATA_KEY)),
-        match=r"present on only some parameter groups",
-    ),
-    load("one mirror's global_step changed", "gefen", _edit(_change_one_mirror), match=r"inconsistent"),
-    load("one mirror's global_step changed", "muon", _edit(_change_one_mirror), match=r"inconsistent"),
+    load("one mirror's global_step changed", _edit(_change_one_mirror), match=r"inconsistent"),
     load(
         "top-level global_step changed",
-        "gefen",
         _edit(lambda sd: sd.__setitem__(METADATA_KEY, dict(sd[METADATA_KEY], global_step=7))),
         match=r"inconsistent",
     ),
-    load("codebook stripped (top level and mirrors)", "gefen", _set_meta(codebook=None), match=r"no frozen codebook"),
-    load("codebook stripped (top level and mirrors)", "muon", _set_meta(codebook=None), match=r"no frozen codebook"),
-    load("codebook with 255 entries", "gefen", _codebook(lambda t: t[:255].clone()), match=r"codebook.*\(256,\)"),
-    load("codebook with NaN", "gefen", _codebook(_nan_at), match=r"codebook.*NaN"),
-    load("codebook unsorted", "gefen", _codebook(_swap), match=r"codebook.*not sorted"),
-    load("codebook with NaN", "muon", _codebook(_nan_at), match=r"codebook.*NaN"),
-    load("newer schema_version", "gefen", _set_meta(schema_version=SCHEMA_VERSION + 1), match=r"newer"),
-    load("other optimizer kind", "gefen", _set_meta(optimizer="GefenMuon"), match=r"saved by optimizer 'GefenMuon'"),
-    load("other optimizer kind", "muon", _set_meta(optimizer="Gefen"), match=r"saved by optimizer 'Gefen'"),
-    # per-parameter state (index 1 = 1.weight: factored; 2 = 1.bias: block; 4 = 2.bias: the last parameter)
-    load("codes as float32", "gefen", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
-    load("codes as float32", "muon", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
-    load("magnitude negative", "gefen", _entry(1, "first_moment_scale", fn=_neg), match=r"scale'\] has negative"),
+    load("codebook stripped (top level and mirrors)", _set_meta(codebook=None), match=r"no frozen codebook"),
+    load("codebook with 255 entries", _codebook(lambda t: t[:255].clone()), match=r"codebook.*\(256,\)"),
+    load("codebook with NaN", _codebook(_nan_at), match=r"codebook.*NaN"),
+    load("codebook unsorted", _codebook(_swap), match=r"codebook.*not sorted"),
+    load("newer schema_version", _set_meta(schema_version=SCHEMA_VERSION + 1), match=r"newer"),
+    load("other optimizer kind", _set_meta(optimizer="GefenMuon"), match=r"saved by optimizer 'GefenMuon'"),
+    # load: per-parameter state
+    load("codes as float32", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
+    load("magnitude negative", _entry(1, "first_moment_scale", fn=_neg), match=r"scale'\] has negative"),
     load(
         "second moment NaN (factored)",
-        "gefen",
         _entry(1, "second_moment_row", fn=_nan_at),
         match=r"second_moment_row'\] has negative or non-finite",
     ),
     load(
         "second moment NaN (block)",
-        "gefen",
         _entry(2, "second_moment", fn=lambda t: _nan_at(t, 0)),
         match=r"'second_moment'\] has negative or non-finite",
     ),
-    load("step=tensor([1.,2.])", "gefen", _entry(1, "step", torch.tensor([1.0, 2.0])), match=r"\['step'\] must be"),
-    load("step=1.5", "gefen", _entry(1, "step", 1.5), match=r"\['step'\]=1\.5"),
-    load("step=2**70", "gefen", _entry(1, "step", 2**70), match=r"does not fit the int64"),
-    load("non-string state key", "gefen", _entry(1, 7, torch.zeros(1)), match=r"non-string keys"),
-    load(
-        "group lacks a hyperparameter",
-        "muon",
-        _edit(lambda sd: sd["param_groups"][0].pop("nesterov")),
-        match=r"lacks the hyperparameters \['nesterov'\]",
-    ),
+    load("step=tensor([1.,2.])", _entry(1, "step", torch.tensor([1.0, 2.0])), match=r"\['step'\] must be"),
+    load("step=1.5", _entry(1, "step", 1.5), match=r"\['step'\]=1\.5"),
+    load("step=2**70", _entry(1, "step", 2**70), match=r"does not fit the int64"),
+    load("non-string state key", _entry(1, 7, torch.zeros(1)), match=r"non-string keys"),
     load(
         "param_names shorter than params",
-        "gefen",
         _edit(lambda sd: sd["param_groups"][0].update(param_names=["0.weight"])),
         match=r"param_names.*one name",
     ),
-    load(
-        "hybrid policy tag not a bool",
-        "hybrid_adamw",
-        _edit(lambda sd: sd["gefen_hybrid"].update(deterministic="yes")),
-        match=r"hybrid deterministic policy must be a bool",
-    ),
-    load("step=True", "gefen", _entry(1, "step", True), match=r"\['step'\]=True"),
-    load("step=-1", "gefen", _entry(1, "step", -1), match=r"\['step'\]=-1 must be >= 1"),
-    load("step=tensor(nan)", "muon", _entry(1, "step", torch.tensor(NAN)), match=r"\['step'\] must be"),
-    load("period=0", "gefen", _entry(1, "period", torch.tensor(0)), match=r"\['period'\]=0 does not divide"),
-    load("period not dividing", "gefen", _entry(2, "period", torch.tensor(7)), match=r"\['period'\]=7 does not div"),
-    load(
-        "factored entry without second_moment_col", "gefen", _entry(1, "second_moment_col", pop=True), match=r"has keys"
-    ),
-    load("normuon_v negative", "muon", _entry(1, "normuon_v", fn=_neg), match=r"normuon_v'\] has negative"),
-    load("normuon_step missing", "muon", _entry(1, "normuon_step", pop=True), match=r"has keys"),
+    load("step=True", _entry(1, "step", True), match=r"\['step'\]=True"),
+    load("step=-1", _entry(1, "step", -1), match=r"\['step'\]=-1 must be >= 1"),
+    load("period=0", _entry(1, "period", torch.tensor(0)), match=r"\['period'\]=0 does not divide"),
+    load("period not dividing", _entry(2, "period", torch.tensor(7)), match=r"\['period'\]=7 does not div"),
+    load("factored entry without second_moment_col", _entry(1, "second_moment_col", pop=True), match=r"has keys"),
     load(
         "invalid counter only on the last parameter",
-        "gefen",
         _entry(4, "step", torch.tensor(-3)),
         match=r"state\[4\] \(2\.bias\)\['step'\]=-3",
     ),
-    load(
-        "invalid counter only on the last parameter",
-        "muon",
-        _entry(1, "normuon_step", torch.tensor(99)),
-        match=r"normuon_step'\]=99 must be in",
-    ),
-    # groups
-    load("extra param group", "gefen", _edit(_extra_group), match=r"different number of parameter groups"),
-    load("extra param group", "muon", _edit(_extra_group), match=r"different number of parameter groups"),
+    # load: groups
+    load("extra param group", _edit(_extra_group), match=r"different number of parameter groups"),
     load(
         "eps=0 in a saved group",
-        "gefen",
         _edit(lambda sd: sd["param_groups"][0].update(eps=0.0)),
         match=r"param_groups\[0\]\['eps'\]=0\.0",
     ),
     load(
         "betas=(0.9,1.0) in a saved group",
-        "gefen",
         _edit(lambda sd: sd["param_groups"][1].update(betas=(0.9, 1.0))),
         match=r"param_groups\[1\]\['betas'\]",
     ),
+    # load: hooks
+    _prehook_case(_set_meta(codebook=None)),
+]
+
+MUON: list[Case] = [
+    # construct
+    construct("deterministic=1", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct("capturable=1", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct("nonfinite='maybe'", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct("capturable+skip", ConfigError, r"capturable=True.*nonfinite='skip'", capturable=True, nonfinite="skip"),
+    construct(
+        "capturable+deterministic",
+        ConfigError,
+        r"capturable=True.*deterministic=True",
+        capturable=True,
+        deterministic=True,
+    ),
+    construct("eps=0", ConfigError, r"\['eps'\]=0\.0", eps=0.0),
+    construct("eps=nan", ConfigError, r"\['eps'\]=nan", eps=NAN),
+    construct("normuon_eps=0", ConfigError, r"normuon_eps", normuon_eps=0.0),
+    construct("lr=-1", ConfigError, r"\['lr'\]=-1\.0", lr=-1.0),
+    construct("lr=2-element tensor", ConfigError, r"1-element", lr=torch.tensor([1e-3, 2e-3])),
+    construct("weight_decay=-0.1", ConfigError, r"\['weight_decay'\]=-0\.1", weight_decay=-0.1),
+    construct("momentum=1.0", ConfigError, r"\['momentum'\]=1\.0 must be a number in \[0, 1\)", momentum=1.0),
+    construct(
+        "1-D parameter",
+        ConfigError,
+        r"shape \(16,\); GefenMuon optimizes 2-D",
+        fault=lambda: gefen.GefenMuon([_param(16)], fused=False),
+    ),
+    construct("empty params", ValueError, r"empty", fault=lambda: gefen.GefenMuon([], fused=False)),
+    construct(
+        "duplicate param",
+        ConfigError,
+        r"same parameter twice",
+        fault=_duplicate(lambda w: gefen.GefenMuon([w, w], fused=False)),
+    ),
+    # step: the bad gradient goes to the second parameter
+    *_bad_gradients("muon", {"1.weight": "1.weight"}),
+    *_nan_skipped("muon", "1.weight"),
+    step(
+        "NaN first grad/muon/propagate",
+        _poison("1.weight", NAN),
+        StepError,
+        r"1\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    *_malformed_amp_controls("muon"),
+    _closure_raising("muon"),
+    step("lr=nan by hand/muon", _set_group(1, lr=NAN), ConfigError, r"param_groups\[1\]\['lr'\]=nan"),
+    step("muon param flattened to 1-D (ZeRO)", _flatten_param("1.weight"), ValueError, r"2-D"),
+    *_nan_after_warm_up("muon", "1.weight"),
+    # AMP
+    _amp("fp16 GradScaler overflow/muon", "1.weight"),
+    # load: policy
+    load(
+        "deterministic ckpt into non-deterministic",
+        lambda sd, rig: sd,
+        match=r"deterministic=True",
+        source={"deterministic": True},
+    ),
+    load("deterministic tag 1", _set_meta(deterministic=1), match=r"must be a bool"),
+    # load: metadata copies
+    load(
+        "mirror on only some groups",
+        _edit(lambda sd: sd["param_groups"][0].pop(GROUP_METADATA_KEY)),
+        match=r"present on only some parameter groups",
+    ),
+    load("one mirror's global_step changed", _edit(_change_one_mirror), match=r"inconsistent"),
+    load("codebook stripped (top level and mirrors)", _set_meta(codebook=None), match=r"no frozen codebook"),
+    load("codebook with NaN", _codebook(_nan_at), match=r"codebook.*NaN"),
+    load("other optimizer kind", _set_meta(optimizer="Gefen"), match=r"saved by optimizer 'Gefen'"),
+    # load: per-parameter state (index 1 = 1.weight, the last parameter)
+    load("codes as float32", _bad_codes, match=r"first_moment_codes'\] has dtype torch.float32"),
+    load(
+        "group lacks a hyperparameter",
+        _edit(lambda sd: sd["param_groups"][0].pop("nesterov")),
+        match=r"lacks the hyperparameters \['nesterov'\]",
+    ),
+    load("step=tensor(nan)", _entry(1, "step", torch.tensor(NAN)), match=r"\['step'\] must be"),
+    load("normuon_v negative", _entry(1, "normuon_v", fn=_neg), match=r"normuon_v'\] has negative"),
+    load("normuon_step missing", _entry(1, "normuon_step", pop=True), match=r"has keys"),
+    load(
+        "invalid counter only on the last parameter",
+        _entry(1, "normuon_step", torch.tensor(99)),
+        match=r"normuon_step'\]=99 must be in",
+    ),
+    # load: groups
+    load("extra param group", _edit(_extra_group), match=r"different number of parameter groups"),
     load(
         "eps=0 in a saved group",
-        "muon",
         _edit(lambda sd: sd["param_groups"][1].update(eps=0.0)),
         match=r"param_groups\[1\]\['eps'\]",
     ),
     load(
         "momentum=1.0 in a saved group",
-        "muon",
         _edit(lambda sd: sd["param_groups"][0].update(momentum=1.0)),
         match=r"momentum",
     ),
     load(
         "normuon_eps=0 in a saved group",
-        "muon",
         _edit(lambda sd: sd["param_groups"][0].update(normuon_eps=0.0)),
         match=r"normuon_eps",
     ),
-    # hooks
-    *[
-        load(
-            "load pre-hook returns a corrupted replacement",
-            k,
-            _prehook_replaces(
-                _half("muon", _set_meta(codebook=None)) if k.startswith("hybrid") else _set_meta(codebook=None)
-            ),
-            match=r"no frozen codebook",
-            after=_pre_once_post_never,
-        )
-        for k in KINDS
-    ],
-    # hybrid layout
-    *[
-        c
-        for k in ("hybrid_gefen", "hybrid_adamw")
-        for c in (
-            load(
-                "flat {state, param_groups} dict",
-                k,
-                lambda sd, rig: {"state": {}, "param_groups": []},
-                match=r"not a GefenMuonHybrid checkpoint",
-            ),
-            load(
-                "the muon half on its own",
-                k,
-                lambda sd, rig: _as_halves(sd)["muon"],
-                match=r"not a GefenMuonHybrid checkpoint: the 'gefen_hybrid' entry is missing",
-            ),
-            load(
-                "halves layout: missing backup half (key)",
-                k,
-                _halves(lambda sd: sd.pop("backup")),
-                match=r"not a GefenMuonHybrid checkpoint",
-            ),
-            load(
-                "halves layout: missing backup half (None)",
-                k,
-                _halves(lambda sd: sd.update(backup=None)),
-                match=r"backup half does not match",
-            ),
-            load(
-                "backup groups dropped",
-                k,
-                _edit(lambda sd: sd.update(param_groups=[g for g in sd["param_groups"] if g["hybrid_half"] == "muon"])),
-                match=r"backup half does not match|no param group lists",
-            ),
-            load(
-                "a group without hybrid_half",
-                k,
-                _edit(lambda sd: sd["param_groups"][0].pop("hybrid_half")),
-                match=r"param_groups\[0\]\['hybrid_half'\]=None must be",
-            ),
-            load(
-                "a Muon group after the backup groups",
-                k,
-                _edit(lambda sd: sd["param_groups"].reverse()),
-                match=r"Muon group after backup groups",
-            ),
-            load(
-                "hybrid metadata copies differ",
-                k,
-                _edit(lambda sd: sd["param_groups"][0].update(gefen_hybrid={**sd["gefen_hybrid"], "skipped_steps": 7})),
-                match=r"hybrid metadata.*copies differ",
-            ),
-            load(
-                "hybrid schema_version 2",
-                k,
-                _edit(lambda sd: sd["gefen_hybrid"].update(schema_version=2)),
-                match=r"hybrid checkpoint schema_version=2",
-            ),
-            load(
-                "hybrid skipped_steps -1",
-                k,
-                _edit(lambda sd: sd["gefen_hybrid"].update(skipped_steps=-1)),
-                match=r"hybrid skipped_steps=-1",
-            ),
-            load(
-                "a state entry no group lists",
-                k,
-                _edit(lambda sd: sd["state"].update({999: sd["state"][0]})),
-                match=r"\[999\], which no param group lists",
-            ),
-            load("muon half codebook with NaN", k, _half("muon", _codebook(_nan_at)), match=r"muon half.*NaN"),
-            load(
-                "muon half normuon_step missing",
-                k,
-                _half("muon", _entry(0, "normuon_step", pop=True)),
-                match=r"muon half.*has keys",
-            ),
-            load(
-                "muon half momentum=1.0",
-                k,
-                _half("muon", _edit(lambda sd: sd["param_groups"][0].update(momentum=1.0))),
-                match=r"muon half.*momentum",
-            ),
-            load(
-                "extra backup param group",
-                k,
-                _half("backup", _edit(_extra_group)),
-                match=r"backup half.*different number of parameter groups",
-            ),
-        )
-    ],
+    # load: hooks
+    _prehook_case(_set_meta(codebook=None)),
+]
+
+HYBRID_GEFEN: list[Case] = [
+    # construct
+    construct("deterministic=1", TypeError, r"deterministic=1 must be a bool", deterministic=1),
+    construct("capturable=1", TypeError, r"capturable=1 must be a bool", capturable=1),
+    construct(
+        "deterministic+propagate", ConfigError, r"refuses to let non-finite", deterministic=True, nonfinite="propagate"
+    ),
+    construct("capturable+skip", ConfigError, r"capturable=True.*nonfinite='skip'", capturable=True, nonfinite="skip"),
+    construct(
+        "capturable+raise", ConfigError, r"capturable=True.*nonfinite='raise'", capturable=True, nonfinite="raise"
+    ),
+    construct("eps=0", ConfigError, r"GefenMuonHybrid: eps=0\.0", eps=0.0),
+    construct("betas=(0.9,1.0)", ConfigError, r"GefenMuonHybrid: betas\[1\]", betas=(0.9, 1.0)),
+    construct("momentum=1.0", ConfigError, r"\['momentum'\]=1\.0", momentum=1.0),
+    construct("backup_optimizer='sgd'", ConfigError, r"backup_optimizer='sgd'", backup_optimizer="sgd"),
+    construct(
+        "no params",
+        ConfigError,
+        r"got no parameter",
+        fault=lambda: gefen.GefenMuonHybrid(nn.ReLU(), lr=1e-3, fused=False),
+    ),
+    construct(
+        "duplicate param",
+        ValueError,
+        r"appears twice",
+        fault=_duplicate(lambda w: gefen.GefenMuonHybrid([("a.weight", w), ("b.weight", w)], lr=1e-3, fused=False)),
+    ),
+    # step: the bad gradient goes once to each half
+    *_bad_gradients("hybrid_gefen", {"2.weight": "muon-half", "1.bias": "backup-half"}),
+    *_nan_skipped("hybrid_gefen", "2.weight", "1.bias"),
+    step(
+        "NaN first grad/hybrid_gefen/muon-half/propagate",
+        _poison("2.weight", NAN),
+        StepError,
+        r"2\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    step(
+        "NaN first grad/hybrid_gefen/backup-half/propagate",
+        _poison("1.bias", NAN),
+        StepError,
+        r"1\.bias has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    *_malformed_amp_controls("hybrid_gefen"),
+    _closure_raising("hybrid_gefen"),
+    step("lr=nan by hand/hybrid_gefen/muon-half", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    step("lr=nan by hand/hybrid_gefen/backup-half", _set_group(1, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    *_nan_after_warm_up("hybrid_gefen", "1.bias"),
+    # AMP
+    _amp("fp16 GradScaler overflow/hybrid_gefen/muon-half", "2.weight"),
+    _amp("fp16 GradScaler overflow/hybrid_gefen/backup-half", "1.bias"),
+    # load
+    load(
+        "non-deterministic ckpt into deterministic",
+        lambda sd, rig: sd,
+        match=r"deterministic=False.*intentional state migration",
+        options={"deterministic": True},
+    ),
+    _prehook_case(_half("muon", _set_meta(codebook=None))),
+    *_hybrid_layout(),
     load(
         "backup_optimizer 'adamw' into a gefen-backed hybrid",
-        "hybrid_gefen",
         _edit(lambda sd: sd["gefen_hybrid"].update(backup_optimizer="adamw")),
         match=r"backup optimizer is 'adamw'",
     ),
-    load(
-        "backup_optimizer 'gefen' into an adamw-backed hybrid",
-        "hybrid_adamw",
-        _edit(lambda sd: sd["gefen_hybrid"].update(backup_optimizer="gefen")),
-        match=r"backup optimizer is 'gefen'",
-    ),
-    load(
-        "backup half: codes as float32",
-        "hybrid_gefen",
-        _half("backup", _bad_codes),
-        match=r"backup half.*dtype torch.float32",
-    ),
+    load("backup half: codes as float32", _half("backup", _bad_codes), match=r"backup half.*dtype torch.float32"),
     load(
         "backup half: second moment NaN",
-        "hybrid_gefen",
         _half("backup", _entry(2, "second_moment", fn=lambda t: _nan_at(t, 0))),
         match=r"backup half.*non-finite",
     ),
     load(
         "backup half: betas (0.9,1.0)",
-        "hybrid_gefen",
         _half("backup", _edit(lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.0)))),
         match=r"backup half.*betas",
     ),
+]
+
+HYBRID_ADAMW: list[Case] = [
+    # construct
+    construct("deterministic='true'", TypeError, r"deterministic.*must be a bool", deterministic="true"),
+    construct("nonfinite='maybe'", ConfigError, r"nonfinite='maybe'", nonfinite="maybe"),
+    construct("eps=-1", ConfigError, r"GefenMuonHybrid: eps=-1\.0", eps=-1.0),
+    construct("betas=(0.9,1.0)", ConfigError, r"GefenMuonHybrid: betas\[1\]", betas=(0.9, 1.0)),
+    construct("lr=-1", ConfigError, r"GefenMuonHybrid: lr=-1\.0", lr=-1.0),
+    construct(
+        "capturable with adamw backup",
+        ConfigError,
+        r"capturable=True, backup_optimizer='adamw'.*not supported",
+        capturable=True,
+    ),
+    # step: the bad gradient goes once to each half
+    *_bad_gradients("hybrid_adamw", {"2.weight": "muon-half", "1.bias": "backup-half"}),
+    *_nan_skipped("hybrid_adamw", "2.weight", "1.bias"),
+    step(
+        "NaN first grad/hybrid_adamw/muon-half/propagate",
+        _poison("2.weight", NAN),
+        StepError,
+        r"2\.weight has NaN/Inf",
+        warm=(0,),
+        **PROPAGATE,
+    ),
+    *_malformed_amp_controls("hybrid_adamw"),
+    _closure_raising("hybrid_adamw"),
+    step("lr=nan by hand/hybrid_adamw/muon-half", _set_group(0, lr=NAN), ConfigError, r"'lr'\]=nan"),
+    step("lr=nan by hand/hybrid_adamw/backup-half", _set_group(1, lr=NAN), ConfigError, r"lr"),
+    *_nan_after_warm_up("hybrid_adamw", "1.bias"),
+    step(
+        "inf grad after warm-up, nonfinite='raise'/hybrid_adamw/muon-half",
+        _poison("2.weight", INF),
+        StepError,
+        r"2\.weight has NaN/Inf",
+        warm=(WARM,),
+        nonfinite="raise",
+    ),
+    # AMP
+    _amp("fp16 GradScaler overflow/hybrid_adamw/muon-half", "2.weight"),
+    _amp("fp16 GradScaler overflow/hybrid_adamw/backup-half", "0.weight"),
+    # load
+    load(
+        "deterministic ckpt into non-deterministic",
+        lambda sd, rig: sd,
+        match=r"deterministic=True.*intentional state migration",
+        source={"deterministic": True},
+    ),
+    load(
+        "hybrid policy tag not a bool",
+        _edit(lambda sd: sd["gefen_hybrid"].update(deterministic="yes")),
+        match=r"hybrid deterministic policy must be a bool",
+    ),
+    _prehook_case(_half("muon", _set_meta(codebook=None))),
+    *_hybrid_layout(),
+    load(
+        "backup_optimizer 'gefen' into an adamw-backed hybrid",
+        _edit(lambda sd: sd["gefen_hybrid"].update(backup_optimizer="gefen")),
+        match=r"backup optimizer is 'gefen'",
+    ),
     load(
         "AdamW backup state missing 'step'",
-        "hybrid_adamw",
         _half("backup", _entry(1, "step", pop=True)),
         match=r"backup half.*KeyError: 'step'",
         warm=(0, WARM),
     ),
-)
+]
+
+#: The catalogue: one table per optimizer.
+CATALOGUE: dict[str, list[Case]] = {
+    "gefen": GEFEN,
+    "muon": MUON,
+    "hybrid_gefen": HYBRID_GEFEN,
+    "hybrid_adamw": HYBRID_ADAMW,
+}
+CASES: list[Case] = [dataclasses.replace(c, kind=kind) for kind, cases in CATALOGUE.items() for c in cases]
 
 
 def _ids(cases: list[Case]) -> list[str]:
@@ -1222,6 +1208,7 @@ def test_catalogue_is_large_and_ids_are_unique() -> None:
     ]
     assert len(ids) == len(set(ids))
     assert {c.kind for c in CASES} == set(KINDS)
+    assert tuple(CATALOGUE) == tuple(OPTIMIZERS) == KINDS and all(CATALOGUE.values())
 
 
 @pytest.mark.parametrize(("case", "warm"), _params("construct"))

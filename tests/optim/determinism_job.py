@@ -1,5 +1,5 @@
 """A fixed training job whose SHA-256 digest (parameters, optimizer state, codebooks) is compared across runs and
-processes by ``test_hardening.py``. Run as ``python -m tests.optim.determinism_job KIND FUSED``; prints the digest."""
+processes by ``test_determinism.py``. Run as ``python -m tests.optim.determinism_job KIND FUSED``; prints the digest."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ Contract (issue 3): identical first-moment codes and magnitudes, second moments 
 rounding (the only differences are the summation order of the block/row/column mean squares and the rounding
 of ``sqrt``), the same training trajectory, no recompilation when the lr or the step changes, and failures
 to compile either refused before any change (``fused=True``) or answered by the eager path (``fused=None``).
+A bad ``GEFEN_FUSED`` environment is refused at construction; the hybrid reports its halves' compile time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gefen.errors import ConfigError, StepError
 from gefen.math.codebook import nearest_code
 from gefen.math.fused import lookup_table_as_float, nearest_code_lut
 from gefen.math.lookup import build_nearest_table
+from tests.optim.test_capturable import _cap_grads, _cap_model
 
 pytestmark = pytest.mark.slow  # compiles kernels (seconds each on a cold inductor cache)
 
@@ -429,3 +431,22 @@ def test_real_steps_reuse_the_graphs_compiled_before_the_step() -> None:
         muon.step()
     assert len(opt._kernels) == 4 and len(muon._kernels) == 2
     assert counters["stats"]["unique_graphs"] - before == 2 * 2 + 2 + 2
+
+
+def test_bad_gefen_fused_environment_is_refused_at_construction(monkeypatch):
+    monkeypatch.setenv("GEFEN_FUSED", "maybe")
+    with pytest.raises(gefen.ConfigError, match="GEFEN_FUSED='maybe'"):
+        gefen.Gefen(_cap_model().named_parameters())
+    with pytest.raises(gefen.ConfigError, match="GEFEN_FUSED='maybe'"):
+        gefen.GefenMuonHybrid(_cap_model(), lr=1e-2)
+    gefen.Gefen(_cap_model().named_parameters(), fused=False)  # an explicit choice does not read it
+
+
+@pytest.mark.slow
+def test_hybrid_reports_its_children_compile_time():
+    m = _cap_model()
+    h = gefen.GefenMuonHybrid(m, lr=1e-2, fused=True)
+    assert h.compile_time_s == 0.0
+    _cap_grads(m, 0)
+    h.step()
+    assert h.compile_time_s == h.muon.compile_time_s + h.backup.compile_time_s > 0.0

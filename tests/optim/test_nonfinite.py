@@ -1,5 +1,6 @@
 """``nonfinite="skip"`` (the default): a step whose gradients hold NaN/Inf changes nothing but its counter (case 001),
-for all three optimizers; the count survives checkpoints and is shown by ``gefen inspect``."""
+for all three optimizers; the count survives checkpoints and is shown by ``gefen inspect``. ``"raise"`` refuses
+such a step (in every gradient dtype) before any change, ``"propagate"`` (old name ``"ignore"``) lets it through."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 import gefen
-from gefen import CheckpointError
+from gefen import CheckpointError, StepError
 from gefen.inspect import inspect_state_dict
+from tests.optim.determinism_job import digest
+from tests.optim.test_capturable import _cap_grads, _cap_model
 
 KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
 
@@ -234,3 +237,45 @@ def test_the_native_step_applies_the_policy_itself_with_no_gradient_read_before_
         assert _equal(_without_counter(opt.state_dict()), _without_counter(state_before))
     assert reads == []
     assert opt.skipped_steps == (2 if policy == "skip" else 0)
+
+
+def test_nonfinite_raise_refuses_a_nan_step_and_propagate_lets_it_through():
+    for policy, raises in (("raise", True), ("propagate", False)):
+        m = _cap_model()
+        opt = gefen.Gefen(m.named_parameters(), nonfinite=policy, fused=False)
+        _cap_grads(m, 0)
+        opt.step()
+        _cap_grads(m, 1)
+        m[1].weight.grad[0, 0] = float("nan")
+        before = digest([m.state_dict(), opt.state_dict()])
+        if raises:
+            with pytest.raises(StepError, match="1.weight.*NaN/Inf"):
+                opt.step()
+            assert digest([m.state_dict(), opt.state_dict()]) == before
+        else:
+            opt.step()
+            assert torch.isnan(m[1].weight).any()
+
+
+def test_ignore_is_the_old_name_of_propagate():
+    m = _cap_model()
+    with pytest.warns(FutureWarning, match="old name of nonfinite='propagate'"):
+        opt = gefen.Gefen(m.parameters(), nonfinite="ignore")
+    assert opt.nonfinite == "propagate"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_nonfinite_raise_refuses_infinities_in_every_gradient_dtype(dtype, bad):
+    """A float16 infinity once passed the check: ``max|g| <= bound`` compared in float16, where the bound itself
+    rounds to inf."""
+    p = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
+    opt = gefen.Gefen([p], nonfinite="raise")
+    p.grad = torch.randn(64, 32).to(dtype)
+    opt.step()
+    p.grad = torch.randn(64, 32).to(dtype)
+    p.grad[5, 7] = bad
+    before = digest([p.detach().clone(), opt.state_dict()])
+    with pytest.raises(StepError, match="NaN/Inf"):
+        opt.step()
+    assert digest([p.detach().clone(), opt.state_dict()]) == before

@@ -5,14 +5,21 @@ torch's test code: step hooks (global and per-optimizer, pre and post, order and
 hooks (they see and may replace torch's layout), the documented ``register_load_state_dict_pre_hook`` recipe that
 rebuilds a state dict by parameter name, ``state`` keys that are not parameters, parameters frozen at
 construction and unfrozen later (case 008), ``zero_grad(set_to_none=...)``, a parameter without a gradient being
-left alone, and ``test_errors``-style bad inputs. Two deliberate differences from torch are asserted as such:
-duplicate parameters are refused (torch warns), and a loader cannot cast quantized state.
+left alone, and ``test_errors``-style bad inputs; and what Gefen's own contract file once checked for Gefen
+alone: caller param groups and ``add_param_group``, lr per group, from a scheduler or as a tensor, closures, late
+and empty parameters, every parameter dtype, refused steps changing nothing, ``inference_mode``, deepcopy and
+pickle. Two deliberate differences from torch are asserted as such: duplicate parameters are refused (torch
+warns), and a loader cannot cast quantized state.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import pickle
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,7 +27,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gefen
-from gefen import CheckpointError, ConfigError
+from gefen import CheckpointError, ConfigError, StepError
+from gefen.checkpoint import METADATA_KEY
+from gefen.state import PERIOD, STEP
+from tests.optim.determinism_job import digest
 from tests.optim.test_torch_conventions import _build as _build_named
 
 KINDS = ("gefen", "muon", "hybrid_gefen", "hybrid_adamw")
@@ -48,9 +58,13 @@ def _build(kind: str, model: torch.nn.Module, **options: Any) -> torch.optim.Opt
         return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=kind.split("_")[1], **options)
 
 
-def _backward(model: torch.nn.Module, seed: int) -> None:
+def _loss(model: torch.nn.Module, seed: int) -> torch.Tensor:
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
-    _forward(model, x).square().mean().backward()
+    return _forward(model, x).square().mean()
+
+
+def _backward(model: torch.nn.Module, seed: int) -> None:
+    _loss(model, seed).backward()
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -412,3 +426,375 @@ def test_the_recipe_into_a_hybrid_takes_the_checkpoint_s_hybrid_counters():
     fresh.register_load_state_dict_pre_hook(_adapt_by_name)
     fresh.load_state_dict(saved)
     assert fresh.skipped_steps == 1
+
+
+# ------------------------------------------------------- groups, lr, closures, late parameters, refusals, copies
+# (once checked for Gefen alone; now for every optimizer from KINDS where it applies)
+THREE = ("inp", "mid", "out")
+
+
+@dataclass(frozen=True)
+class CallerGroups:
+    """How Gefen and GefenMuon take the caller's param groups. (The hybrid makes its own, one per half, by its routing
+    rule; a caller's group reaches it through ``add_param_group``, which routes it: ``test_muon.py``, case 002.)
+
+    Attributes:
+        make: the optimizer class.
+        takes: which of a model's parameters it steps (GefenMuon: matrices only).
+        option: a group option of its own, with a valid value.
+        bad_option: that option with an invalid value.
+        defaults: constructor defaults a group without them gets.
+    """
+
+    make: Callable[..., torch.optim.Optimizer]
+    takes: Callable[[torch.Tensor], bool]
+    option: tuple[str, Any]
+    bad_option: tuple[str, Any]
+    defaults: dict[str, Any]
+
+
+CALLER_GROUPS = {
+    "gefen": CallerGroups(
+        gefen.Gefen, lambda p: True, ("betas", (0.8, 0.9)), ("betas", (0.9, 1.5)), {"weight_decay": 0.0, "eps": 1e-8}
+    ),
+    "muon": CallerGroups(
+        gefen.GefenMuon,
+        lambda p: p.dim() == 2,
+        ("momentum", 0.9),
+        ("momentum", 1.5),
+        {"weight_decay": 0.1, "eps": 1e-7},
+    ),
+}
+
+
+def _held(kind: str, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if CALLER_GROUPS[kind].takes(p)]
+
+
+def _caller_groups(kind: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(model: torch.nn.Module, lr: Any = 1e-2, first_lr: float | None = None) -> torch.optim.Optimizer:
+        held = _held(kind, model)
+        first = {"params": held[:2]} if first_lr is None else {"params": held[:2], "lr": first_lr}
+        return CALLER_GROUPS[kind].make([first, {"params": held[2:]}], lr=lr)
+
+    return make
+
+
+def _hybrid(backup: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(model: torch.nn.Module, lr: Any = 1e-2, first_lr: float | None = None) -> torch.optim.Optimizer:
+        lrs = {"lr": lr} if first_lr is None else {"lr": first_lr, "backup_lr": lr}  # the Muon half's group is first
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return gefen.GefenMuonHybrid(model, backup_optimizer=backup, **lrs)
+
+    return make
+
+
+#: The optimizer of a kind over a model with two param groups: for Gefen and GefenMuon the caller's (the first two
+#: parameters | the rest), for the hybrid its two halves (Muon | backup); ``first_lr``: the first group's own lr.
+TWO_GROUPS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "gefen": _caller_groups("gefen"),
+    "muon": _caller_groups("muon"),
+    "hybrid_gefen": _hybrid("gefen"),
+    "hybrid_adamw": _hybrid("adamw"),
+}
+
+#: The top-level metadata entry of a kind's state dict.
+TOP_KEY = {"gefen": METADATA_KEY, "muon": METADATA_KEY, "hybrid_gefen": "gefen_hybrid", "hybrid_adamw": "gefen_hybrid"}
+
+
+def _gefens(opt: torch.optim.Optimizer) -> list[gefen.Gefen]:
+    """The optimizer itself or its halves, less a torch AdamW backup."""
+    return [c for c in _children(opt) if isinstance(c, gefen.Gefen)]
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> tuple[Any, ...]:
+    params = _params(opt)
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params if p in opt.state}
+    codebooks = [None if c.codebook is None else c.codebook.clone() for c in _gefens(opt)]
+    return [p.detach().clone() for p in params], state, codebooks, [c.global_step for c in _gefens(opt)]
+
+
+def _assert_unchanged(opt: torch.optim.Optimizer, snap: tuple[Any, ...]) -> None:
+    values, state, codebooks, global_steps = snap
+    params = _params(opt)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    assert {id(p) for p in params if p in opt.state} == set(state)
+    for p in params:
+        if p in opt.state:
+            for k, v in state[id(p)].items():
+                assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
+    for c, codebook in zip(_gefens(opt), codebooks):
+        assert (c.codebook is None) == (codebook is None)
+        if codebook is not None:
+            assert torch.equal(c.codebook, codebook)
+    assert [c.global_step for c in _gefens(opt)] == global_steps
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])  # the hybrid makes its own groups (see CallerGroups)
+def test_named_parameters_and_caller_groups_are_kept(kind):
+    rules = CALLER_GROUPS[kind]
+    model = _model(THREE)
+    named = _held(kind, model)
+    key, value = rules.option
+    opt = rules.make(
+        [{"params": named[:2], "lr": 1e-2}, {"params": named[2:], "weight_decay": 0.1, key: value}], lr=1e-3
+    )
+    assert len(opt.param_groups) == 2
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in named[:2]]
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == rules.defaults["weight_decay"]
+    assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1][key] == value
+    _backward(model, 0)
+    opt.step()
+    assert [r["name"] for r in opt.state_report()] == [n for n, _ in named]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_per_group_lr_zero_freezes_that_group(kind):
+    model = _model(THREE)
+    opt = TWO_GROUPS[kind](model, first_lr=0.0)
+    assert opt.param_groups[0]["lr"] == 0.0
+    frozen = list(opt.param_groups[0]["params"])
+    others = [p for g in opt.param_groups[1:] for p in g["params"]]
+    before = [p.detach().clone() for p in frozen + others]
+    _backward(model, 0)
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(frozen, before))
+    assert others and not any(torch.equal(p, b) for p, b in zip(others, before[len(frozen) :]))
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])  # the hybrid routes an added group to a half: test_muon.py
+def test_add_param_group_steps_new_params_and_is_all_or_nothing(kind):
+    rules = CALLER_GROUPS[kind]
+    model = _model(THREE)
+    params = [p for _, p in _held(kind, model)]
+    opt = rules.make(params[:2], lr=1e-2)
+    key, bad = rules.bad_option
+    with pytest.raises(ConfigError, match=key):
+        opt.add_param_group({"params": params[2:], key: bad})
+    with pytest.raises(ConfigError, match="same parameter twice"):
+        opt.add_param_group({"params": [params[2], params[2]]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": params[2:], "lr": 5e-3})
+    assert opt.param_groups[1]["lr"] == 5e-3 and opt.param_groups[1]["eps"] == rules.defaults["eps"]
+    before = params[-1].detach().clone()
+    _backward(model, 0)
+    opt.step()
+    assert not torch.equal(params[-1], before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lr_scheduler_drives_group_lr(kind):
+    model = _model()
+    opt = _build(kind, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for s in range(3):
+        opt.zero_grad()
+        _backward(model, s)
+        opt.step()
+        sched.step()
+    assert all(math.isclose(g["lr"], 1e-2 * 0.125) for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_lr_equals_float_lr(kind):
+    results = []
+    for lr in (float(torch.tensor(3e-3)), torch.tensor(3e-3)):  # same fp32 value
+        model = _model(THREE)
+        opt = TWO_GROUPS[kind](model, lr=lr)
+        _train(model, opt, range(3))
+        ours = {id(p) for c in _gefens(opt) for g in c.param_groups for p in g["params"]}
+        results.append([(id(p) in ours, p.detach().clone()) for p in model.parameters()])
+    for (ours, a), (_, b) in zip(*results):
+        if ours:
+            assert torch.equal(a, b)
+        else:  # torch's own AdamW (a hybrid's backup) rounds a tensor lr's arithmetic otherwise: a few ulps apart
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closure_runs_before_anything_else(kind):
+    model = _model()
+    opt = _build(kind, model)
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        loss = _loss(model, 0)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)  # no gradients exist before the closure: step 1 must still learn and update
+    assert calls == [True] and isinstance(loss, torch.Tensor)
+    assert all(c.codebook is not None and c.global_step == 1 for c in _gefens(opt))
+    assert all(int(opt.state[p][STEP]) == 1 for p in _params(opt))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_grad_sets_none_and_step_without_grads_is_a_no_op(kind):
+    model = _model()
+    opt = _build(kind, model, weight_decay=0.1)
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in _params(opt))
+    snap = _snapshot(opt)
+    opt.step()
+    _assert_unchanged(opt, snap)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_param_without_grad_untouched_and_late_param_starts_own_warmup(kind):
+    model = _model(THREE)
+    opt = _build(kind, model, weight_decay=0.1)
+    late = _gefens(opt)[-1].param_groups[-1]["params"][-1]  # the last parameter Gefen (or GefenMuon) steps
+    first = _params(opt)[0]
+    for s in range(3):
+        opt.zero_grad()
+        _backward(model, s)
+        late_before = late.detach().clone()
+        late.grad = None
+        opt.step()
+        assert torch.equal(late, late_before)  # no update, no weight decay
+    assert late not in opt.state
+    codebooks = [c.codebook.clone() for c in _gefens(opt)]
+    opt.zero_grad()
+    _backward(model, 5)
+    opt.step()
+    assert int(opt.state[late][STEP]) == 1 and int(opt.state[first][STEP]) == 4
+    assert PERIOD in opt.state[late]
+    assert all(torch.equal(c.codebook, codebook) for c, codebook in zip(_gefens(opt), codebooks))  # frozen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_numel_params_are_skipped(kind):
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = _build_named(kind, [("empty", empty), ("w", w)])
+    empty.grad = torch.zeros(0, 4)
+    w.grad = torch.randn(8, 8)
+    opt.step()
+    assert empty not in opt.state and w in opt.state
+
+
+#: State entries held in float32 whatever the parameter's dtype (besides the uint8 codes).
+FLOAT32_STATE = {"gefen": ("first_moment_scale", "second_moment_row"), "muon": ("first_moment_scale",)}
+
+
+# the hybrid holds a matrix in its GefenMuon half and vectors in a Gefen (or torch's AdamW) backup: the cases here
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_every_param_dtype_is_written_in_its_own_dtype(kind, dtype):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 32, dtype=dtype))
+    before = w.detach().clone()
+    opt = CALLER_GROUPS[kind].make([w], lr=1e-2)
+    for s in range(2):
+        w.grad = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(dtype)
+        opt.step()
+    assert w.dtype == dtype and torch.isfinite(w).all() and not torch.equal(w, before)
+    st = opt.state[w]
+    assert st["first_moment_codes"].dtype == torch.uint8
+    assert all(st[k].dtype == torch.float32 for k in FLOAT32_STATE[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("first_step", [True, False])
+def test_refused_steps_change_nothing(kind, first_step):
+    """(The fault catalogue runs many more such faults, each on the first step and after two.)"""
+    model = _model(THREE)
+    opt = _build(kind, model, weight_decay=0.1)
+    _train(model, opt, range(0 if first_step else 2))
+    opt.zero_grad()
+    _backward(model, 99)
+    params = _params(opt)
+    snap = _snapshot(opt)
+
+    params[2].grad = params[2].grad.to_sparse()  # sparse gradient on a later param
+    with pytest.raises(StepError, match="layout"):
+        opt.step()
+    _assert_unchanged(opt, snap)
+    params[2].grad = params[2].grad.to_dense()
+
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ConfigError, match="lr"):
+        opt.step()
+    _assert_unchanged(opt, snap)
+    opt.param_groups[0]["lr"] = 1e-2
+
+    last = params[-1]
+    saved = last.data
+    last.data = torch.zeros(7, *saved.shape[1:])  # a wrapper swapped the tensor: grad shape no longer matches
+    with pytest.raises(StepError, match="shape"):
+        opt.step()
+    last.data = saved
+    _assert_unchanged(opt, snap)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_finite_first_gradient_is_refused_before_learning(kind):
+    """Even where later NaN steps propagate, a first gradient must be finite (its period and the codebook)."""
+    model = _model()
+    opt = _build(kind, model, nonfinite="propagate")
+    _backward(model, 0)
+    params = _params(opt)
+    params[1].grad[0] = float("nan")
+    snap = _snapshot(opt)
+    with pytest.raises(StepError, match="NaN/Inf"):
+        opt.step()
+    _assert_unchanged(opt, snap)
+    assert all(c.codebook is None for c in _gefens(opt))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_under_inference_mode_is_refused_before_any_change(kind):
+    model = _model()
+    opt = _build(kind, model)
+    _backward(model, 0)
+    with torch.inference_mode(), pytest.raises(StepError, match="inference_mode"):
+        opt.step()
+    assert all(c.codebook is None for c in _gefens(opt)) and all(len(c.state) == 0 for c in _children(opt))
+    opt.step()  # and a normal step afterwards works
+    assert all(c.global_step == 1 for c in _gefens(opt))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reading_state_before_the_first_step_is_harmless(kind):
+    model_a, model_b = _model(), _model()
+    opt_a, opt_b = _build(kind, model_a), _build(kind, model_b)
+    for p in _params(opt_a):
+        assert opt_a.state[p] == {}  # defaultdict read creates an empty entry, as in torch.optim
+    _train(model_a, opt_a, range(3))
+    _train(model_b, opt_b, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+    opt_a.load_state_dict(opt_a.state_dict())  # its own checkpoint still loads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_deepcopy_and_pickle_give_a_working_optimizer(kind, how):
+    model = _model()
+    opt = _build(kind, model)
+    _train(model, opt, range(2))
+    bundle = (model, opt)
+    model2, opt2 = copy.deepcopy(bundle) if how == "deepcopy" else pickle.loads(pickle.dumps(bundle))
+    assert all(torch.equal(b.codebook, a.codebook) and b.global_step == 2 for a, b in zip(_gefens(opt), _gefens(opt2)))
+    _train(model, opt, range(5, 7))
+    _train(model2, opt2, range(5, 7))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert TOP_KEY[kind] in opt2.state_dict()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_hooks_and_a_scheduler_pickles_without_them(kind):
+    model = _model()
+    opt = _build(kind, model)
+    opt.register_step_post_hook(lambda o, a, k: None)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5)
+    _backward(model, 0)
+    opt.step()
+    clone = pickle.loads(pickle.dumps(opt))
+    assert not clone._optimizer_step_post_hooks
+    assert digest(clone.state_dict()) == digest(opt.state_dict())

@@ -7,7 +7,7 @@ in-place writes of the parameter and the state tensors at the end; every Python 
 (it selects the graph), every value that changes from step to step (lr, bias corrections, weight decay) arrives
 in the fp32 ``scalars`` tensor, so a new lr or step never recompiles.
 
-Agreement with the eager path (tested in ``tests/optim/test_fused.py``): the first-moment codes and magnitudes
+Agreement with the eager path (tested in ``tests/optim/test_gefen_fused.py``): the first-moment codes and magnitudes
 are identical (same fp32 operations, same fused multiply-add in the EMA, the same exact nearest-code rule);
 second moments differ only by the summation order of the block mean squares (a few ulps); parameters by the
 rounding of ``sqrt`` and of those sums (a few ulps of the update).

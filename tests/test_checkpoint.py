@@ -1,10 +1,13 @@
-"""Gefen checkpoints: bit-exact resume, saved dtypes survive bf16 params, weights_only loading, and refused
-loads that leave the optimizer and the caller's dict untouched."""
+"""Checkpoints (``gefen.checkpoint``): bit-exact resume, the saved layout and its metadata (every copy of it),
+saved dtypes surviving bf16 params, weights_only loading of every parameter shape, refused loads (a
+``CheckpointError``) that leave the optimizer and the caller's dict untouched, and the migration of schema-1
+checkpoints (committed fixtures). The hybrid's layout is in ``test_checkpoint_hybrid.py``."""
 
 from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gefen
-from gefen import CheckpointError
+from gefen import CheckpointError, ConfigError, StepError
 from gefen.checkpoint import GROUP_METADATA_KEY, METADATA_KEY, SCHEMA_VERSION
+from gefen.checkpoint_hybrid import split_hybrid_state_dict
 from gefen.digest import state_digest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _model(dtype=torch.float32, seed=0, hidden=48):
@@ -47,6 +53,7 @@ def _roundtrip(sd):
     return torch.load(buf, weights_only=True)
 
 
+# ---------------------------------------------------------------------------------------------- resume and layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("factored", [True, False])
 def test_resume_is_bit_exact(dtype, factored):
@@ -117,6 +124,7 @@ def test_pristine_checkpoint_loads_and_trains_like_fresh():
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
 
 
+# ---------------------------------------------------------------------------------------------- refusals
 def _inplace(mutate):
     """Wrap an in-place mutation so it returns the mutated dict."""
 
@@ -275,6 +283,7 @@ def test_load_hooks_run_pre_then_post_only_on_success():
     assert calls == ["pre", "pre", "post"]
 
 
+# ---------------------------------------------------------------------------------------------- every shape
 #: Every shape class the optimizers step (case 004: a 0-D parameter made the optimizer's own checkpoint unloadable)
 ROUND_TRIP_SHAPES = [(), (1,), (1, 1), (7,), (13, 17), (1, 9), (9, 1), (3, 1, 5), (2, 3, 4, 5), (64, 48), (0,), (0, 4)]
 
@@ -413,3 +422,137 @@ def test_malformed_checkpoints_get_a_checkpoint_error(kind, data, _checkpoints):
         opt.load_state_dict(checkpoint)
     except CheckpointError:
         assert state_digest(opt.state_dict()) == before
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+def test_deterministic_policy_is_in_every_metadata_copy_and_refused_across_policies():
+    model = torch.nn.Linear(8, 16)
+    opt = gefen.Gefen(model.named_parameters(), deterministic=True, fused=False)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["gefen"]["deterministic"] is True
+    assert all(g["gefen_metadata"]["deterministic"] is True for g in sd["param_groups"])
+    other = gefen.Gefen(torch.nn.Linear(8, 16).named_parameters(), fused=False)
+    with pytest.raises(gefen.CheckpointError, match="deterministic=True.*deterministic=False"):
+        other.load_state_dict(sd)
+    assert other.codebook is None and len(other.state) == 0
+
+
+def test_dcp_style_checkpoint_with_only_state_and_param_groups_resumes_exactly():
+    """``get_optimizer_state_dict``-style tools keep only ``state`` and ``param_groups``: the per-group mirror
+    carries the codebook and the policy, and the loaded optimizer continues bit for bit."""
+
+    def setup():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8))
+        return m, gefen.Gefen(m.named_parameters(), lr=1e-2, fused=False)
+
+    def train(m, opt, steps):
+        for s in steps:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+
+    whole_m, whole = setup()
+    train(whole_m, whole, range(4))
+    m, opt = setup()
+    train(m, opt, range(2))
+    stripped = copy.deepcopy({"state": opt.state_dict()["state"], "param_groups": opt.state_dict()["param_groups"]})
+    m2, opt2 = setup()
+    m2.load_state_dict(m.state_dict())
+    opt2.load_state_dict(stripped)
+    assert opt2.param_groups[0]["gefen_metadata"] is None  # the live stand-in, never the saved mirror
+    train(m2, opt2, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), whole_m.parameters()))
+    assert opt2.global_step == whole.global_step == 4
+
+
+def test_state_dict_post_hooks_see_the_metadata():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(METADATA_KEY in sd))
+    opt.state_dict()
+    assert seen == [True]
+
+
+def test_load_refusals_are_checkpoint_errors_subclassing_value_error():
+    assert issubclass(CheckpointError, ValueError) and issubclass(ConfigError, ValueError)
+    assert issubclass(StepError, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------- migration
+def _fixture_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16))
+
+
+def _fixture_optimizer(kind: str, model: torch.nn.Module, deterministic: bool) -> torch.optim.Optimizer:
+    named = list(model.named_parameters())
+    if kind == "gefen":
+        return gefen.Gefen(named, lr=1e-2, weight_decay=0.01, fused=False, deterministic=deterministic)
+    if kind == "gefen_block":
+        return gefen.Gefen(named, lr=1e-2, factored_v_2d=False, fused=False, deterministic=deterministic)
+    if kind == "gefen_muon":
+        hidden = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("1")]
+        return gefen.GefenMuon(hidden, lr=1e-2, fused=False, deterministic=deterministic)
+    backup = "gefen" if kind == "hybrid_gefen" else "adamw"
+    return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=backup, fused=False, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["gefen", "gefen_block", "gefen_muon", "hybrid_gefen", "hybrid_adamw"])
+def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, deterministic):
+    """``tests/fixtures/v1_*.pt`` were written by the schema-1 code (``scripts/make_v1_fixtures.py``), together
+    with the parameters that code produced on the next step; an untagged v1 checkpoint loads under either live
+    policy and the next step matches the v1 code's.
+
+    "Matches" is up to float32 rounding, not bit for bit: the stored continuation comes from the machine that wrote
+    the fixture, and vectorised sums (the factored second moment's row/column sums, torch's AdamW kernels) round
+    differently on CPUs with other SIMD widths (measured: 1-34 elements of a tensor differ by <= 1.5e-8 on an
+    AVX-512 machine against a fixture written elsewhere). A migration fault (a lost first moment, a wrong
+    counter, a codebook left behind) changes the step by the size of the update itself, 1e-2 here; the bound
+    below is 1e-5 of that. Matrices stepped through Newton–Schulz are bf16 products, and a bf16 GEMM's fp32 sums
+    run in another order on a CPU without bf16 matrix instructions (and on another GPU), flipping the rounding of
+    a few elements by one bf16 ulp (measured on the GefenMuon fixture: 6.2e-4 of the update at most, 7e-5 in
+    Frobenius norm); their bound is one bf16 ulp of the update, 2⁻⁸ — still 250x below a migration fault."""
+    fixture = torch.load(FIXTURES / f"v1_{kind}.pt", weights_only=True)
+    saved = fixture["optimizer"]
+    halves = [saved["muon"], saved["backup"]] if kind.startswith("hybrid") else [saved]
+    assert all(h is None or "gefen" not in h or h["gefen"]["schema_version"] == 1 for h in halves)
+    model = _fixture_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(fixture["params"][name])
+    opt = _fixture_optimizer(kind, model, deterministic)
+    opt.load_state_dict(saved)
+    for name, p in model.named_parameters():
+        p.grad = fixture["grads"][name].clone()
+    opt.step()
+    through_ns = {id(p) for g in opt.param_groups if "ns_schedule" in g for p in g["params"]}
+    moved = 0
+    for name, p in model.named_parameters():
+        expected, before = fixture["expected_after"][name], fixture["params"][name]
+        update = float((expected - before).abs().max())
+        if update == 0.0:  # not in this optimizer (GefenMuon's fixture steps one matrix): untouched, exactly
+            assert torch.equal(p.detach(), before), name
+            continue
+        moved += 1
+        assert update > 1e-3, name  # a real step, so the bound below is a real test
+        bound = 2.0**-8 if id(p) in through_ns else 1e-5
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=bound * update, msg=name)
+    assert moved >= 1
+    resaved = opt.state_dict()
+    if kind.startswith("hybrid"):  # resaved in torch's layout, each Gefen half's metadata in its groups
+        split = split_hybrid_state_dict(resaved)
+        groups = [h["param_groups"][0] for h in (split.muon, split.backup) if h is not None]
+        metas = [g["gefen_metadata"] for g in groups if "gefen_metadata" in g]  # an AdamW backup has none
+    else:
+        metas = [resaved["gefen"]]
+    assert metas
+    for meta in metas:
+        assert meta["schema_version"] == gefen.checkpoint.SCHEMA_VERSION
+        assert meta["deterministic"] is deterministic
