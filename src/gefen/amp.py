@@ -29,6 +29,7 @@ __all__ = [
     "amp_controls_present",
     "SQUARE_SAFE_MAX",
     "usable_bound",
+    "usable_flags",
     "wants_native_amp",
     "read_amp_controls",
     "unscale_grads_",
@@ -151,6 +152,18 @@ def _usable(grad: Tensor) -> Tensor:
     return (high.float() <= bound) & (low.float() >= -bound)
 
 
+def usable_flags(grads: Sequence[Tensor]) -> Tensor:
+    """Per gradient, whether it is usable (finite and within :func:`usable_bound`), without a host read.
+
+    Args:
+        grads: gradients on one device (any dtypes and shapes; at least one).
+
+    Returns:
+        (len(grads),) bool on that device (a step can act on it on the device, see :data:`gefen.math.fused.APPLY`).
+    """
+    return torch.stack([_usable(g) for g in grads])
+
+
 def unusable_names(named_grads: Sequence[tuple[str, Tensor]]) -> list[str]:
     """Names, in order, of the gradients holding a NaN, an Inf, or a value beyond :func:`usable_bound` (whose sums
     of squares would overflow float32); one fused min/max reduction per gradient and one host read for all.
@@ -163,7 +176,7 @@ def unusable_names(named_grads: Sequence[tuple[str, Tensor]]) -> list[str]:
         by_device.setdefault(g.device, []).append(i)
     bad = []
     for indices in by_device.values():
-        ok = torch.stack([_usable(named_grads[i][1]) for i in indices]).cpu()
+        ok = usable_flags([named_grads[i][1] for i in indices]).cpu()
         bad += [i for i, flag in zip(indices, ok.tolist()) if not flag]
     return [named_grads[i][0] for i in sorted(bad)]
 

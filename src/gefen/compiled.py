@@ -336,7 +336,7 @@ def _scratch_arguments(
     def zeros(size: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.zeros(size, dtype=dtype, device=device)
 
-    scalars = torch.tensor([0.1, 0.999, 0.001, 1e-8, 1.0, 1.0, 1.0, 0.0], dtype=torch.float32, device=device)
+    scalars = torch.tensor([0.1, 0.999, 0.001, 1e-8, 1.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=device)
     assert scalars.numel() == SCALARS
     head = [zeros(shape, signature.param_dtype), zeros(shape, signature.grad_dtype)]
     moment = [zeros((blocks, period), torch.uint8), zeros((blocks,), torch.float32)]

@@ -13,6 +13,15 @@ Policies (the ``nonfinite=`` option of every Gefen optimizer):
 * ``"propagate"`` — let them through like ``torch.optim.AdamW`` (the run is poisoned); only a parameter's first
   gradient is checked (its period search and the codebook need finite values). ``"ignore"`` is its old name.
 
+Where the check runs (``Gefen``; the hybrid and GefenMuon check before the step): on a steady step (every
+parameter has state, none sharded) the step applies the policy itself, before its first write — the CPU's native
+library inside its own passes; the compiled kernels (CUDA's default) under ``"skip"`` on the device, with no host
+read: the per-parameter flags set the kernels' apply entry (:data:`gefen.math.fused.APPLY`), so a skipped step
+writes nothing, and the host learns the outcome when it next looks (:class:`PendingCheck`: at the next
+``step()``, or when ``skipped_steps``, ``global_step``, ``state_dict()`` or ``load_state_dict()`` is called), where
+the step counters advance or the skip is counted and warned about. Otherwise (first steps, the eager backend,
+``"raise"`` on the compiled path) it is the one host read.
+
 ``capturable=True`` steps may not read anything on the host, so there the default is ``"propagate"`` (skip
 overflow steps with ``torch.amp.GradScaler``, whose capturable path does it on the device) and ``"skip"`` /
 ``"raise"`` are refused. Source: hardening.md §2 (nothing fails silently).
@@ -21,12 +30,17 @@ overflow steps with ``torch.amp.GradScaler``, whose capturable path does it on t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from gefen._warnings import warn_user
 from gefen.amp import policy_name
 from gefen.errors import ConfigError
 
-__all__ = ["NONFINITE_POLICIES", "resolve_nonfinite", "skip_message"]
+__all__ = ["NONFINITE_POLICIES", "PendingCheck", "resolve_nonfinite", "skip_message"]
 
 #: Accepted ``nonfinite`` values (``"ignore"``: deprecated name of ``"propagate"``).
 NONFINITE_POLICIES = ("skip", "raise", "propagate")
@@ -98,3 +112,44 @@ def skip_message(kind: str, names: Sequence[str], skipped: int) -> str:
         f"was changed ({skipped} skipped step{'s' if skipped != 1 else ''} so far, see skipped_steps). Use "
         "nonfinite='raise' to stop instead, or find the source."
     )
+
+
+@dataclass
+class PendingCheck:
+    """A step whose ``nonfinite="skip"`` decision was taken on the device (see the module docstring): its kernels
+    wrote only if every flag was true; the host settles it later with :meth:`outcome`.
+
+    Attributes:
+        flags: (n,) bool per parameter of the step, on the host (pinned memory, filled by an asynchronous copy on
+            CUDA, the device tensor itself on the CPU).
+        names: the n parameters' names, in flag order.
+        counters: the step counters (int64 CPU tensors) to advance when the step was applied.
+        event: a ``torch.cuda.Event`` recorded after the copy into ``flags``, or ``None``.
+    """
+
+    flags: Tensor
+    names: tuple[str, ...]
+    counters: list[Tensor]
+    event: Any = None
+
+    @classmethod
+    def of(cls, flags: Tensor, names: Sequence[str], counters: list[Tensor]) -> PendingCheck:
+        """Start the host copy of the device ``flags`` ((n,) bool) without waiting for it."""
+        if flags.device.type != "cuda":
+            return cls(flags, tuple(names), counters)
+        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, tuple(names), counters, event)
+
+    def outcome(self) -> tuple[str, ...]:
+        """Wait for the flags (only for the step's own check, not for later work) and return the names of the
+        unusable gradients; empty when the step was applied. Advances the counters when it was."""
+        if self.event is not None:
+            self.event.synchronize()
+        ok = self.flags.tolist()
+        bad = tuple(name for name, flag in zip(self.names, ok) if not flag)
+        if not bad and self.counters:
+            torch._foreach_add_(self.counters, 1)
+        return bad

@@ -450,3 +450,45 @@ def test_hybrid_reports_its_children_compile_time():
     _cap_grads(m, 0)
     h.step()
     assert h.compile_time_s == h.muon.compile_time_s + h.backup.compile_time_s > 0.0
+
+
+@pytest.mark.parametrize("kind", ["block", "factored"])
+def test_kernels_with_apply_zero_write_nothing_even_for_a_nan_gradient(kind: str) -> None:
+    """Entry ``APPLY`` of the scalars (the device-side ``nonfinite="skip"`` decision): 0 keeps the parameter and
+    every state tensor bit for bit, whatever the gradient holds; 1 writes the step as before (the same values as
+    without the entry's masking, i.e. the eager reference within the existing tolerance, checked above)."""
+    from gefen.math.fused import (
+        APPLY,
+        SCALARS,
+        factored_roots_,
+        fused_block_step_,
+        fused_factored_update_,
+        step_scalars,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    table = build_nearest_table(torch.linspace(-1, 1, 256))
+    tables = (table.codebook, lookup_table_as_float(table.lut), table.thresholds)
+    rows, cols, period = 8, 32, 16
+    param = torch.randn(rows * cols // period, period, generator=gen)
+    grad = torch.randn(rows * cols // period, period, generator=gen)
+    grad[1, 3] = float("nan")
+    codes = torch.randint(0, 256, param.shape, generator=gen, dtype=torch.uint8)
+    scale = torch.rand(param.shape[0], generator=gen)
+    second = [torch.rand(param.shape[0], generator=gen)] if kind == "block" else [torch.rand(rows), torch.rand(cols)]
+    for apply in (0.0, 1.0):
+        scalars = torch.tensor(step_scalars(0.9, 0.999, 1e-8, 1e-2, 0.1, 3, kind == "factored"))
+        assert scalars.numel() == SCALARS and scalars[APPLY] == 1.0
+        scalars[APPLY] = apply
+        state = [t.clone() for t in (param, codes, scale, *second)]
+        p, c, s, *v = state
+        if kind == "block":
+            fused_block_step_(p, grad, c, s, v[0], *tables, scalars, steps=table.steps, lerp_high=False)
+        else:
+            roots = factored_roots_(grad.view(rows, cols), v[0], v[1], scalars, dense=False)
+            fused_factored_update_(p, grad, c, s, roots, *tables, scalars, steps=table.steps, lerp_high=False)
+        unchanged = [torch.equal(a, b) for a, b in zip(state, (param, codes, scale, *second))]
+        if apply == 0.0:
+            assert all(unchanged)
+        else:  # the NaN reaches the written state: the flag is what kept it out above
+            assert not all(unchanged) and torch.isnan(p).any()

@@ -279,3 +279,69 @@ def test_nonfinite_raise_refuses_infinities_in_every_gradient_dtype(dtype, bad):
     with pytest.raises(StepError, match="NaN/Inf"):
         opt.step()
     assert digest([p.detach().clone(), opt.state_dict()]) == before
+
+
+class _NotYet:
+    """Stands in for a CUDA event: the flags are read only when the host settles the step."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+@pytest.mark.slow  # compiles the kernels
+@pytest.mark.parametrize("lagged", [False, True])
+def test_the_compiled_step_decides_a_skip_on_the_device_with_no_host_read(monkeypatch, lagged):
+    """``backend="compiled"`` (CUDA's default) under ``"skip"``: no gradient is read on the host; the usability
+    flags mask every kernel write (:data:`gefen.math.fused.APPLY`). On the CPU the step settles at once; on CUDA
+    (``lagged``, forced here with a stand-in event) the host settles it when it next looks: before that the step
+    counters, ``global_step`` and ``skipped_steps`` have not moved, after it they say what happened, and either way
+    the state and the next step are those of an optimizer that never saw the bad gradient."""
+    import gefen.optim._base as base
+    import gefen.optim.gefen as gefen_module
+    from gefen.nonfinite import PendingCheck
+
+    events = []
+    if lagged:
+
+        def of(flags, names, counters):
+            events.append(_NotYet())
+            return PendingCheck(flags, tuple(names), counters, events[-1])
+
+        monkeypatch.setattr(PendingCheck, "of", staticmethod(of))
+    model, clean_model = _model(), _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3, backend="compiled")
+    clean = gefen.Gefen(clean_model.named_parameters(), lr=1e-3, backend="compiled")
+    for step in range(2):
+        for m, o in ((model, opt), (clean_model, clean)):
+            _grads(m, step)
+            o.step()
+    reads = []
+    for module in (base, gefen_module):
+        monkeypatch.setattr(module, "unusable_names", lambda named: reads.append(len(named)) or [])
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    _grads(model, 99)
+    model[0].weight.grad[3, 1] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        if lagged:  # nothing settled yet: no warning, no count, no counter moved
+            assert not caught and opt._skipped_steps == 0 and opt._global_step == 2
+            assert all(int(s["step"]) == 2 for s in opt.state.values())
+        assert opt.skipped_steps == 1  # looking settles it
+    assert [str(w.message) for w in caught if "skipped this step" in str(w.message)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+    assert _equal(_without_counter(opt.state_dict()), _without_counter(state_before))
+    assert opt.global_step == 2
+    for m, o in ((model, opt), (clean_model, clean)):
+        _grads(m, 7)
+        o.step()
+    assert opt.global_step == clean.global_step == 3  # the applied step settles at the next look
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clean_model.parameters()))
+    assert _equal(_without_counter(opt.state_dict()), _without_counter(clean.state_dict()))
+    assert reads == []
+    if lagged:  # both optimizers' steady steps: the second warm-up step, the NaN step, the last step
+        assert len(events) == 5 and all(e.waited == 1 for e in events)

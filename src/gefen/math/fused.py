@@ -25,7 +25,14 @@ index  block second moment             factored second moment
 5      ``sqrt(1 − β2^t)``              ``1 − β2^t``
 6      ``1 / (1 − β1^t)``              ``1`` (unused)
 7      ``−η``                          ``−η / (1 − β1^t)``
+8      apply: ``1`` writes the step,   same
+       ``0`` keeps every state and
+       parameter value
 =====  ==============================  =====================================================
+
+Entry 8 lets a step be decided on the device: ``nonfinite="skip"`` without a host read sets it to 0 when a
+gradient is unusable, and every write of the kernels then keeps the old value (``torch.where``, so a NaN never
+reaches the state). :func:`step_scalars` and :func:`device_step_scalars` set it to 1.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from gefen.math.moments import FLOAT32_TINY
 
 __all__ = [
     "SCALARS",
+    "APPLY",
     "step_scalars",
     "device_step_scalars",
     "write_param_",
@@ -54,7 +62,9 @@ __all__ = [
 ]
 
 #: Number of entries of the per-parameter ``scalars`` tensor.
-SCALARS = 8
+SCALARS = 9
+#: Index of the apply flag in ``scalars`` (see the module docstring).
+APPLY = 8
 
 _fma = torch.ops.prims.fma
 
@@ -62,7 +72,7 @@ _fma = torch.ops.prims.fma
 def step_scalars(
     beta1: float, beta2: float, eps: float, lr: float, weight_decay: float, step: int, factored: bool
 ) -> list[float]:
-    """The 8 per-step constants of one parameter (see the module docstring), as Python floats.
+    """The per-step constants of one parameter (see the module docstring; apply = 1), as Python floats.
 
     Computed in float64 exactly as the eager path computes its Python scalars, then rounded to fp32 once by
     the caller's ``torch.tensor(..., dtype=torch.float32)``.
@@ -83,8 +93,8 @@ def step_scalars(
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     head = [1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * weight_decay]
     if factored:
-        return head + [bc2, 1.0, -lr * (1.0 / bc1)]
-    return head + [math.sqrt(bc2), 1.0 / bc1, -lr]
+        return head + [bc2, 1.0, -lr * (1.0 / bc1), 1.0]
+    return head + [math.sqrt(bc2), 1.0 / bc1, -lr, 1.0]
 
 
 def device_step_scalars(
@@ -103,7 +113,7 @@ def device_step_scalars(
         factored: the parameter uses the factored second moment.
 
     Returns:
-        (8,) fp32 on ``step.device`` in the layout of the module docstring.
+        (:data:`SCALARS`,) fp32 on ``step.device`` in the layout of the module docstring (apply = 1).
 
     Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5.
     """
@@ -118,9 +128,9 @@ def device_step_scalars(
     bc2 = 1.0 - torch.pow(const(beta2), t)
     head = [const(1.0 - beta1), const(beta2), const(1.0 - beta2), const(eps), 1.0 - eta * weight_decay]
     if factored:
-        tail = [bc2, const(1.0), -eta * (1.0 / bc1)]
+        tail = [bc2, const(1.0), -eta * (1.0 / bc1), const(1.0)]
     else:
-        tail = [torch.sqrt(bc2), 1.0 / bc1, -eta]
+        tail = [torch.sqrt(bc2), 1.0 / bc1, -eta, const(1.0)]
     return torch.stack(head + tail).to(torch.float32)
 
 
@@ -175,6 +185,7 @@ def quantized_moment_(
     *,
     steps: int,
     lerp_high: bool,
+    apply: Tensor | None = None,
 ) -> Tensor:
     """Dequantize → EMA → requantize the first moment of whole blocks (algorithm.md §6.2 steps 5–6), in place.
 
@@ -190,6 +201,7 @@ def quantized_moment_(
         codebook: (256,) fp32.
         lut, thresholds, steps: the nearest-code table (:func:`nearest_code_lut`).
         lerp_high: ``w >= 0.5`` (selects torch's second lerp formula; static).
+        apply: optional 0-dim bool; ``False`` keeps ``codes`` and ``scale`` as they were (see :data:`APPLY`).
 
     Returns:
         (B, P) fp32 ``m̂``.
@@ -203,21 +215,27 @@ def quantized_moment_(
     new_scale = m.abs().amax(1, keepdim=True)
     u = m / torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
     index = nearest_code_lut(u, lut, thresholds, steps)
-    codes.copy_(index.to(torch.uint8))
-    scale.copy_(new_scale.squeeze(1))
+    _write_(codes, index.to(torch.uint8), apply)
+    _write_(scale, new_scale.squeeze(1), apply)
     return _gather(codebook, index) * new_scale
 
 
-def write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor) -> None:
+def _write_(target: Tensor, value: Tensor, apply: Tensor | None) -> None:
+    """``target <- value`` in place, or (``apply`` a 0-dim bool tensor that is ``False``) ``target`` kept."""
+    target.copy_(value if apply is None else torch.where(apply, value, target))
+
+
+def write_param_(param: Tensor, direction: Tensor, decay: Tensor, step: Tensor, apply: Tensor | None = None) -> None:
     """``param <- fma(direction, step, param·decay)`` in fp32, rounded once to ``param``'s dtype, in place.
 
     Args:
         param: any shape, fp32/bf16/fp16.
         direction: fp32, ``param``'s shape.
         decay: 0-dim fp32 ``1 − η·λ``; step: 0-dim fp32 ``−η·k``.
+        apply: optional 0-dim bool; ``False`` keeps ``param`` (see :data:`APPLY`).
     """
     work = param.to(torch.float32) * decay
-    param.copy_(_fma(direction, step, work).to(param.dtype))
+    _write_(param, _fma(direction, step, work).to(param.dtype), apply)
 
 
 def fused_block_step_(
@@ -247,11 +265,14 @@ def fused_block_step_(
     Source: algorithm.md §6.2; Loshchilov & Hutter 2019 for the decoupled weight decay.
     """
     g = grad.to(torch.float32)
+    apply = scalars[APPLY] != 0
     v_new = _fma(g.square().mean(-1), scalars[2], v * scalars[1])
     step_size = torch.reciprocal(torch.sqrt(v_new) / scalars[5] + scalars[3]) * scalars[6]
-    m_hat = quantized_moment_(g, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high)
-    write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7])
-    v.copy_(v_new)
+    m_hat = quantized_moment_(
+        g, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high, apply=apply
+    )
+    write_param_(param, m_hat * step_size.unsqueeze(-1), scalars[4], scalars[7], apply)
+    _write_(v, v_new, apply)
 
 
 def factored_roots_(grad: Tensor, v_row: Tensor, v_col: Tensor, scalars: Tensor, *, dense: bool) -> tuple[Tensor, ...]:
@@ -277,11 +298,12 @@ def factored_roots_(grad: Tensor, v_row: Tensor, v_col: Tensor, scalars: Tensor,
     Source: Shazeer & Stern 2018; algorithm.md §6.4 steps 1–5.
     """
     square = grad.to(torch.float32).square()
+    apply = scalars[APPLY] != 0
     v_row_new = _fma(square.mean(1), scalars[2], v_row * scalars[1])
     v_col_new = _fma(square.mean(0), scalars[2], v_col * scalars[1])
     normaliser = v_row_new.mean().clamp_min(FLOAT32_TINY) * scalars[5]
-    v_row.copy_(v_row_new)
-    v_col.copy_(v_col_new)
+    _write_(v_row, v_row_new, apply)
+    _write_(v_col, v_col_new, apply)
     row, col = torch.sqrt(v_row_new / normaliser), torch.sqrt(v_col_new)
     if dense:
         return (row.unsqueeze(1) * col.unsqueeze(0) + scalars[3],)
@@ -327,10 +349,11 @@ def fused_factored_update_(
         row_part = row.view(-1, 1, 1).expand(-1, per_row, 1).reshape(blocks, 1)
         col_part = col.view(1, per_row, period).expand(row.numel(), -1, -1).reshape(blocks, period)
         denominator = row_part * col_part + scalars[3]
+    apply = scalars[APPLY] != 0
     m_hat = quantized_moment_(
-        grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high
+        grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high, apply=apply
     )
-    write_param_(param, m_hat / denominator, scalars[4], scalars[7])
+    write_param_(param, m_hat / denominator, scalars[4], scalars[7], apply)
 
 
 def fused_momentum_(

@@ -32,7 +32,7 @@ from gefen.compiled import StepKernels, fused_by_default
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
 from gefen.kernels import group_backend, resolve_backend_option
-from gefen.nonfinite import resolve_nonfinite, skip_message
+from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
     STEP,
@@ -209,6 +209,7 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle/deepcopy support: torch's fields plus the codebook and the global step."""
+        self._settle_pending_check()
         state = super().__getstate__()
         for key in (
             "_codebook",
@@ -245,6 +246,26 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._pending_codebook: Tensor | None = None
         self._warned_fallback = False
         self._warned_native = False
+        self._pending_check: PendingCheck | None = None  # a step decided on the device, not yet settled
+
+    def _settle_pending_check(self) -> bool:
+        """Settle a step whose ``nonfinite="skip"`` decision was taken on the device (see
+        :class:`gefen.nonfinite.PendingCheck`): advance its counters and the global step, or count and warn about
+        the skip. Called wherever the host looks (the next step, ``skipped_steps``, ``global_step``, checkpoints).
+
+        Returns:
+            ``False`` when the pending step was skipped; ``True`` otherwise (also when there was none).
+        """
+        pending = self.__dict__.get("_pending_check")
+        if pending is None:
+            return True
+        self._pending_check = None
+        bad = pending.outcome()
+        if bad:
+            self._record_skip(StepSkip(nonfinite=True, names=bad))
+            return False
+        self._advance_global_step()
+        return True
 
     @property
     def compile_time_s(self) -> float:
@@ -479,6 +500,7 @@ class GefenOptimizer(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """Number of ``step()`` calls skipped because a gradient held NaN/Inf (``nonfinite="skip"``); saved in
         checkpoints. GradScaler's own overflow skips are not counted (the scaler reports those)."""
+        self._settle_pending_check()
         return self._skipped_steps
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
@@ -575,6 +597,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         Returns:
             ``{"state": ..., "param_groups": ..., "gefen": {...}}``; loadable with ``weights_only=True``.
         """
+        self._settle_pending_check()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -588,6 +611,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             CheckpointError: the dict does not fit this optimizer (see :func:`gefen.checkpoint.stage_load`);
                 the optimizer and the caller's dict are left unchanged.
         """
+        self._settle_pending_check()  # the last step belongs to the state before the load
         shard = self._any_shard()
         if shard is None:
             staged = self._stage_load(state_dict)
@@ -661,6 +685,7 @@ class GefenOptimizer(torch.optim.Optimizer):
     def global_step(self) -> int:
         """Number of ``step()`` calls that updated at least one parameter (a host read of the device counter
         under ``capturable=True``)."""
+        self._settle_pending_check()
         if self._global_step_t is not None:
             return int(self._global_step_t)
         return self._global_step
@@ -691,6 +716,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             ``None`` before its first update), ``second_moment`` (``"block"``, ``"factored"`` or ``None``),
             ``state_bytes`` (int, bytes).
         """
+        self._settle_pending_check()
         rows = []
         for _g, _i, p, name in self._iter_params():
             st = self.state.get(p, {})

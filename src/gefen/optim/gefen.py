@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from gefen._warnings import warn_user
+from gefen.amp import unusable_names, usable_flags
 from gefen.checkpoint import StagedLoad
 from gefen.compiled import (
     COMPILED_DTYPES,
@@ -24,7 +25,7 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float
-from gefen.kernels import auto_backend, group_backend, native_status, native_supports, runs_natively
+from gefen.kernels import auto_backend, group_backend, native_status, native_supports
 from gefen.math.codebook import (
     CODEBOOK_SIZE,
     HISTOGRAM_BINS,
@@ -33,6 +34,7 @@ from gefen.math.codebook import (
     zero_code_index,
 )
 from gefen.math.fused import (
+    APPLY,
     device_step_scalars,
     factored_roots_,
     fused_block_step_,
@@ -53,6 +55,7 @@ from gefen.math.moments import (
     update_quantized_moment,
 )
 from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
+from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
@@ -203,8 +206,10 @@ class Gefen(GefenOptimizer):
             refuse it (``StepError``, nothing changed; the default under ``deterministic=True``).
             ``"propagate"`` (old name ``"ignore"``): let them through like ``torch.optim.AdamW``; a parameter's
             first gradient is still checked (the period search and codebook need finite values); the default
-            under ``capturable=True``, which refuses the other two. Costs one min/max reduction per gradient and
-            one host read per step.
+            under ``capturable=True``, which refuses the other two. On a steady step the step applies the policy
+            itself before its first write (the CPU's native library in its own passes; the compiled kernels under
+            ``"skip"`` on the device, the skip then counted and warned about when the host next looks, see
+            :mod:`gefen.nonfinite`); otherwise one min/max reduction per gradient and one host read per step.
         **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
             ``amsgrad=False``, ``differentiable=False``, ``foreach`` ``None`` or ``False``) so AdamW call sites
             keep working; anything else is refused.
@@ -236,8 +241,8 @@ class Gefen(GefenOptimizer):
     """
 
     kind = "Gefen"
-    #: Its native call can apply the ``nonfinite`` check itself (see :meth:`_defers_finite_check`).
-    _native_checks_finite = True
+    #: Its step can apply the ``nonfinite`` policy itself (see :meth:`_defers_finite_check`).
+    _checks_finite_in_step = True
 
     def __init__(
         self,
@@ -344,11 +349,12 @@ class Gefen(GefenOptimizer):
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         _check_capture(self)
         check_not_inference(self.kind)
+        self._settle_pending_check()  # the previous step, if it was decided on the device
         loss, plan, skip = self._preflight(closure)
         if skip is not None:  # GradScaler overflow or NaN/Inf under nonfinite="skip": nothing changes
             self._record_skip(skip)
             return loss
-        check_in_native = self._defers_finite_check(plan)  # then the native call below is the first write
+        deferred = self._defers_finite_check(plan)  # then the step applies the policy before its first write
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
         periods = self._search_periods(fresh)
@@ -363,6 +369,12 @@ class Gefen(GefenOptimizer):
             if self._has_state(item.param) or id(item.param) in periods
         ]
         kernels = self._compile_jobs(jobs, codebook, periods) if jobs and not self.capturable else {}
+        check_in_native, device_flags = False, None
+        if deferred:
+            check_in_native, device_flags, bad = self._deferred_finite_check(jobs, kernels)
+            if bad:  # checked on the host here: nothing has changed
+                self._record_skip(StepSkip(nonfinite=True, names=tuple(bad)))
+                return loss
         # ---- nothing above has changed the optimizer; from here on the step is applied
         if codebook is not self._codebook:
             self._set_codebook(codebook)
@@ -398,8 +410,16 @@ class Gefen(GefenOptimizer):
                 (item, group, kernels[id(item.param)])
                 for item, group in jobs
                 if isinstance(kernels.get(id(item.param)), KernelSignature)
-            ]
+            ],
+            device_flags,
         )
+        if device_flags is not None:  # the global step moves when the pending check is settled
+            on_host = self._pending_check is not None and self._pending_check.event is None
+            if (left or on_host) and not self._settle_pending_check():
+                return loss  # skipped: every kernel write was masked, and nothing else has run
+            if not left:
+                return loss
+            jobs = []  # settled and applied: the eager rest below must not advance the global step again
         if self.capturable:
             for item, group in jobs:
                 self._update_on_device(item, group)
@@ -408,6 +428,29 @@ class Gefen(GefenOptimizer):
         if jobs:  # a step that only saw all-zero first gradients (e.g. DCP's hidden init step) learned nothing
             self._advance_global_step()
         return loss
+
+    def _deferred_finite_check(
+        self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], kernels: Mapping[int, KernelSignature | str]
+    ) -> tuple[bool, Tensor | None, list[str]]:
+        """Where a deferred ``nonfinite`` check (see :meth:`_defers_finite_check`) runs, now that the backends
+        are chosen: inside the native call when every parameter steps natively; on the device under ``"skip"``
+        when every parameter runs a compiled kernel on one device (the flags mask the kernels' writes, see
+        :class:`gefen.nonfinite.PendingCheck`); otherwise as the host read, here, before any write.
+
+        Returns:
+            ``(check_in_native, device_flags, bad)``: ``device_flags`` (n,) bool on the device or ``None``; ``bad``
+            the unusable gradients found by the host read (the step must be skipped when it is not empty).
+
+        Raises:
+            StepError: an unusable gradient under ``"raise"`` (nothing changed).
+        """
+        chosen = [kernels.get(id(item.param)) for item, _ in jobs]
+        if all(kind == "native" for kind in chosen):
+            return True, None, []
+        compiled = all(isinstance(kind, KernelSignature) for kind in chosen)
+        if self.nonfinite == "skip" and compiled and len({item.param.device for item, _ in jobs}) == 1:
+            return False, usable_flags([item.grad for item, _ in jobs]), []
+        return False, None, self._apply_finite_policy(unusable_names([(item.name, item.grad) for item, _ in jobs]))
 
     def _update_all(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
         """The eager update of ``jobs`` in order (GefenMuon overrides it to batch sharded Newton–Schulz)."""
@@ -601,28 +644,30 @@ class Gefen(GefenOptimizer):
         return run_native_jobs(self.state, jobs, self._nearest_table(torch.device("cpu")), check)
 
     def _defers_finite_check(self, plan: list[list[WorkItem]]) -> bool:
-        """Whether this step's ``nonfinite`` check runs inside the native library call instead of before the step
-        (one read of the gradients fewer: a factored moment's check comes from the row sums the call computes
-        anyway, see :func:`run_native_jobs`).
+        """Whether the step applies its ``nonfinite`` policy itself, after choosing the backends and before its
+        first write (see :meth:`_deferred_finite_check`), instead of the preflight's host read: inside the native
+        call on the CPU (one read of the gradients fewer), on the device for the compiled kernels (no host read).
 
-        True for a steady CPU step under ``"skip"`` or ``"raise"``: every gradient steps natively in that one call
-        and the call is the step's first write, i.e. no parameter starts now (no period search, codebook or
-        initial decay), none is sharded (ranks agree on skips before any step), not ``capturable``, and no
-        :class:`gefen.GefenMuonHybrid` applied the policy already. A pure function of the plan and the state, so
-        the preflight and :meth:`_step` agree.
+        True for a steady step under ``"skip"`` or ``"raise"``: no parameter starts now (no period search, codebook
+        or initial decay runs before the backends are chosen), none is sharded (ranks agree on skips before any
+        step), not ``capturable``, and no :class:`gefen.GefenMuonHybrid` applied the policy already. A pure
+        function of the plan and the state, so the preflight and :meth:`_step` agree.
         """
-        if not self._native_checks_finite or self.nonfinite == "propagate" or self.capturable:
+        if not self._checks_finite_in_step or self.nonfinite == "propagate" or self.capturable:
             return False
         if self.__dict__.get("_finite_checked") or not any(plan):
             return False
-        return all(
-            item.shard is None and self._has_state(item.param) and runs_natively(item.param, item.grad.dtype, group)
-            for group, work in zip(self.param_groups, plan)
-            for item in work
-        )
+        return all(item.shard is None and self._has_state(item.param) for work in plan for item in work)
 
-    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
+    def _run_compiled(
+        self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]], flags: Tensor | None = None
+    ) -> set[int]:
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.
+
+        ``flags`` ((n,) bool on the one device of all ``jobs``, see :meth:`_deferred_finite_check`): the step is
+        decided on the device: its apply entry (:data:`gefen.math.fused.APPLY`) is ``all(flags)``, so a skipped
+        step writes nothing, and the counters move when the :class:`gefen.nonfinite.PendingCheck` this leaves in
+        ``self._pending_check`` is settled.
 
         A parameter's ``step`` counter moves only after its kernel ran. If a kernel fails here (dynamo recompiles
         when a guard on global state fails, e.g. another thread count or autocast, and that recompilation can
@@ -648,7 +693,16 @@ class Gefen(GefenOptimizer):
                     signature.kind == "factored",
                 )
             )
-        scalars = {dev: iter(constants_on(dev, r)) for dev, r in rows.items()}
+        constants = {dev: constants_on(dev, r) for dev, r in rows.items()}
+        if flags is not None:
+            for table in constants.values():
+                table[:, APPLY] = flags.all().to(table.dtype)  # on the device: no host read
+            self._pending_check = PendingCheck.of(
+                flags,
+                [item.name for item, _, _ in jobs],
+                [ParamState.from_dict(self.state[item.param]).step for item, _, _ in jobs],
+            )
+        scalars = {dev: iter(table) for dev, table in constants.items()}
         for position, (item, _group, signature) in enumerate(jobs):
             device = item.param.device
             view = ParamState.from_dict(self.state[item.param])
@@ -680,10 +734,13 @@ class Gefen(GefenOptimizer):
                     "this step was completed on the eager path for it and the parameters after it (same math). "
                     "fused=None keeps using the eager path for this signature; fused=True refuses the next step."
                 )
+                if self._pending_check is not None:  # the eager path advances the counters of the rest itself
+                    del self._pending_check.counters[position:]
                 return {id(it.param) for it, _, _ in jobs[position:]}
             if work is not param:
                 param.copy_(work)
-            view.step.add_(1)
+            if flags is None:
+                view.step.add_(1)
         return set()
 
     def _has_state(self, param: Tensor) -> bool:

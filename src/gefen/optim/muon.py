@@ -95,8 +95,8 @@ class GefenMuon(Gefen):
     """
 
     kind = "GefenMuon"
-    #: Its native call covers the momentum of one parameter at a time: the check stays before the step.
-    _native_checks_finite = False
+    #: Its backends cover the momentum of one parameter at a time: the check stays before the step.
+    _checks_finite_in_step = False
 
     def __init__(
         self,
@@ -180,15 +180,18 @@ class GefenMuon(Gefen):
     def _ema_weight(self, group: Mapping[str, Any]) -> float:
         return 1.0 - as_float(group["momentum"])
 
-    def _run_compiled(self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]]) -> set[int]:
-        """Muon's compiled path covers the quantized momentum; the rest of each update runs in :meth:`_update`."""
+    def _run_compiled(
+        self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]], flags: Tensor | None = None
+    ) -> set[int]:
+        """Muon's compiled path covers the quantized momentum; the rest of each update runs in :meth:`_update`.
+        ``flags`` is never set (``_checks_finite_in_step`` is False)."""
         for item, group, signature in jobs:
             self._update(item, group, signature)
         return set()
 
     def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], check: bool = False) -> list[str]:
         """The native backend covers the quantized momentum; the rest of each update runs in :meth:`_update`.
-        ``check`` is never set (``_native_checks_finite`` is False): the policy ran before the step."""
+        ``check`` is never set (``_checks_finite_in_step`` is False): the policy ran before the step."""
         for item, group in jobs:
             self._update(item, group, "native")
         return []
