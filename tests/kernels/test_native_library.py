@@ -292,11 +292,11 @@ ASAN_SCRIPT = textwrap.dedent(
                     second = {"block": (torch.rand(rows),), "factored": (torch.rand(rows), torch.rand(cols)),
                               "momentum": ()}[kind]
                     out = torch.empty(n) if kind == "momentum" else None
-                    rec = native.record(kind, grad=grad, codes=torch.zeros((rows, cols), dtype=torch.uint8),
-                                        scale=torch.rand(rows), tables=tables, steps=table.steps, period=cols,
-                                        beta1=0.9, shape=(rows, cols), param=None if kind == "momentum" else
-                                        torch.randn(n), second=second, out=out, beta2=0.999, eps=1e-8, lr=1e-3,
-                                        step=3, grad_bound=1e6)
+                    codes, scale, param = torch.zeros((rows, cols), dtype=torch.uint8), torch.rand(rows), torch.randn(n)
+                    rec = native.record(kind, grad=grad, codes=codes, scale=scale, tables=tables, steps=table.steps,
+                                        period=cols, beta1=0.9, shape=(rows, cols),
+                                        param=None if kind == "momentum" else param, second=second, out=out,
+                                        beta2=0.999, eps=1e-8, lr=1e-3, step=3, grad_bound=1e6)
                     assert native.run_records([rec]) == ([] if bad is None else [0])
                     cases += 1
     # the row-sharded factored form: pieces at the end of an exactly sized reduce buffer, a rank without records,
