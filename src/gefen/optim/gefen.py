@@ -413,19 +413,18 @@ class Gefen(GefenOptimizer):
             ],
             device_flags,
         )
+        advance = bool(jobs)  # a step that only saw all-zero first gradients (e.g. DCP's hidden init step) did not
         if device_flags is not None:  # the global step moves when the pending check is settled
+            advance = False
             on_host = self._pending_check is not None and self._pending_check.event is None
             if (left or on_host) and not self._settle_pending_check():
                 return loss  # skipped: every kernel write was masked, and nothing else has run
-            if not left:
-                return loss
-            jobs = []  # settled and applied: the eager rest below must not advance the global step again
         if self.capturable:
             for item, group in jobs:
                 self._update_on_device(item, group)
         else:
             self._update_all([(i, g) for i, g in jobs if id(i.param) not in kernels or id(i.param) in left])
-        if jobs:  # a step that only saw all-zero first gradients (e.g. DCP's hidden init step) learned nothing
+        if advance:
             self._advance_global_step()
         return loss
 
