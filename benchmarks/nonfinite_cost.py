@@ -9,7 +9,9 @@ forward/backward/step, and times the check alone on the same gradients. Prints o
 
 Times are medians in seconds over ``--steps`` interleaved pairs; ``check_share_of_train_step`` is the check's
 median over the ``skip`` step's median (the number the issue bounds; the pair ratio is noisier than the check
-itself on a shared machine). No assertion is made here.
+itself on a shared machine). ``check_s`` times the check as a separate read of the gradients (what a first step,
+the eager backend or the hybrid pays); a steady native CPU step makes it inside the library's own passes, so there
+``ratio_skip_vs_propagate`` is its whole cost. No assertion is made here.
 
 Usage: ``python benchmarks/nonfinite_cost.py [--steps 30] [--model-size small]``
 """
