@@ -345,3 +345,38 @@ def test_the_compiled_step_decides_a_skip_on_the_device_with_no_host_read(monkey
     assert reads == []
     if lagged:  # both optimizers' steady steps: the second warm-up step, the NaN step, the last step
         assert len(events) == 5 and all(e.waited == 1 for e in events)
+
+
+@pytest.mark.slow  # compiles the kernels
+def test_the_compiled_step_under_raise_refuses_before_any_write_and_a_pending_skip_settles_on_load(monkeypatch):
+    """``"raise"`` needs its answer in the step: the compiled path reads the flags on the host there (StepError,
+    nothing changed). A step still pending when a checkpoint is loaded is settled first (counted and warned about
+    as the old state's), and the load then wins."""
+    from gefen.nonfinite import PendingCheck
+
+    model = _model()
+    strict = gefen.Gefen(model.named_parameters(), lr=1e-3, backend="compiled", nonfinite="raise")
+    for step in range(2):
+        _grads(model, step)
+        strict.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    _grads(model, 3)
+    model[1].bias.grad[0] = float("inf")
+    with pytest.raises(gefen.StepError, match="the gradient of 1.bias has NaN/Inf values"):
+        strict.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+    monkeypatch.setattr(PendingCheck, "of", staticmethod(lambda f, n, c: PendingCheck(f, tuple(n), c, _NotYet())))
+    model = _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3, backend="compiled")
+    for step in range(2):
+        _grads(model, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    _grads(model, 3)
+    model[1].bias.grad[0] = float("nan")
+    opt.step()  # pending
+    with pytest.warns(UserWarning, match="skipped this step because the gradients of 1.bias"):
+        opt.load_state_dict(saved)
+    assert opt.skipped_steps == 0 and opt.global_step == 2  # the checkpoint's counts
+    assert _equal(opt.state_dict(), saved)
