@@ -14,19 +14,7 @@ import torch
 
 import gefen
 from gefen import ConfigError
-
-
-def _mlp(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-
-
-def _steps(model, opt, n, offset=0):
-    for s in range(n):
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(offset + s))
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+from tests.optim.test_gefen_first_step import _mlp, _steps
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,6 @@ from gefen.math.codebook import (
 from gefen.math.fused import (
     APPLY,
     device_step_scalars,
-    factored_roots_,
-    fused_block_step_,
-    fused_factored_update_,
     lookup_table_as_float,
     step_scalars,
 )
@@ -57,6 +54,8 @@ from gefen.math.moments import (
 from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
 from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
+from gefen.optim._capture import capturing, check_capture, check_not_inference
+from gefen.optim._compiled import fused_step_
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
     all_reduce_,
@@ -74,53 +73,6 @@ from gefen.state import (
 )
 
 __all__ = ["Gefen"]
-
-
-def check_not_inference(kind: str) -> None:
-    """Refuse ``step()`` under ``torch.inference_mode()``: state created there would be inference tensors, which
-    no later (normal) step may update in place.
-
-    Raises:
-        StepError: inference mode is on (nothing changed).
-    """
-    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
-        raise StepError(
-            f"{kind}.step() was called under torch.inference_mode(): optimizer state created or updated there "
-            "becomes inference tensors that later training steps cannot update. Call step() outside "
-            "inference_mode (torch.no_grad() is fine). Nothing was changed."
-        )
-
-
-def _check_capture(optimizer: GefenOptimizer) -> None:
-    """Refuse a trace or CUDA-graph capture that cannot work, before anything runs (hardening.md §3.2).
-
-    Raises:
-        StepError: CUDA-graph capturing a ``capturable=False`` step (host counters would be frozen into the
-            graph), or a parameter that is not on the current capture device.
-    """
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
-    if not optimizer.capturable:
-        raise StepError(
-            f"{optimizer.kind}.step() is being captured in a CUDA graph but the optimizer was built with "
-            "capturable=False: its host-side counters would be frozen into the graph. Build it with "
-            "capturable=True and run eager warm-up steps before capturing."
-        )
-    device = torch.device("cuda", torch.cuda.current_device())
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.device != device:
-                raise StepError(
-                    f"{optimizer.kind}(capturable=True): every parameter must be on the current capture device "
-                    f"{device}; found one on {p.device}. Use one optimizer per device."
-                )
-
-
-def _capturing() -> bool:
-    """Inside a ``torch.compile`` trace or a CUDA-graph capture (where host-driven work cannot run)."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 #: Elements per chunk of the update on the CPU (rounded to whole blocks/rows): small enough for the cache.
@@ -347,7 +299,7 @@ class Gefen(GefenOptimizer):
         return self._step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
-        _check_capture(self)
+        check_capture(self)
         check_not_inference(self.kind)
         self._settle_pending_check()  # the previous step, if it was decided on the device
         loss, plan, skip = self._preflight(closure)
@@ -458,7 +410,7 @@ class Gefen(GefenOptimizer):
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
-        if fresh and self.capturable and _capturing():
+        if fresh and self.capturable and capturing():
             raise StepError(
                 f"{self.kind}(capturable=True): {fresh[0].name} gets its first gradient inside a torch.compile "
                 "trace or CUDA-graph capture, but a parameter's first step (period search, codebook) runs on the "
@@ -479,49 +431,9 @@ class Gefen(GefenOptimizer):
         scalars = device_step_scalars(
             beta1, beta2, as_float(group["eps"]), group["lr"], as_float(group["weight_decay"]), view.step, factored
         )
-        device = item.param.device
-        codebook, lut, thresholds = self._fused_tables(device)
-        table_steps = self._nearest_table(device).steps
-        high = lerp_high(self._ema_weight(group))
-        blocks = tuple(view.codes.shape)
-        param = item.param.detach()
-        work = param if param.is_contiguous() else param.contiguous()
-        grad = kernel_grad(item.grad, blocks)
-        tables = (codebook, lut, thresholds)
-        if factored:
-            rows, cols = item.param.shape
-            roots = factored_roots_(
-                grad.view(rows, cols),
-                view.second_moment_row,
-                view.second_moment_col,
-                scalars,
-                dense=cols % view.period != 0,
-            )
-            fused_factored_update_(
-                work.view(blocks),
-                grad,
-                view.codes,
-                view.scale,
-                roots,
-                *tables,
-                scalars,
-                steps=table_steps,
-                lerp_high=high,
-            )
-        else:
-            fused_block_step_(
-                work.view(blocks),
-                grad,
-                view.codes,
-                view.scale,
-                view.second_moment,
-                *tables,
-                scalars,
-                steps=table_steps,
-                lerp_high=high,
-            )
-        if work is not param:
-            param.copy_(work)
+        device, high = item.param.device, lerp_high(self._ema_weight(group))
+        tables, steps = self._fused_tables(device), self._nearest_table(device).steps
+        fused_step_(item.param, item.grad, view, scalars, tables, steps, high)
 
     # ------------------------------------------------------------------ compiled fast path
     def _signature(self, item: WorkItem, group: Mapping[str, Any], periods: Mapping[int, int]) -> KernelSignature:
@@ -679,19 +591,11 @@ class Gefen(GefenOptimizer):
         """
         rows: dict[torch.device, list[list[float]]] = {}
         for item, group, signature in jobs:
-            view = ParamState.from_dict(self.state[item.param])
+            step = int(ParamState.from_dict(self.state[item.param]).step) + 1
+            hyper = (as_float(group[key]) for key in ("eps", "lr", "weight_decay"))
             beta1, beta2 = (as_float(b) for b in group["betas"])
-            rows.setdefault(item.param.device, []).append(
-                step_scalars(
-                    beta1,
-                    beta2,
-                    as_float(group["eps"]),
-                    as_float(group["lr"]),
-                    as_float(group["weight_decay"]),
-                    int(view.step) + 1,
-                    signature.kind == "factored",
-                )
-            )
+            factored = signature.kind == "factored"
+            rows.setdefault(item.param.device, []).append(step_scalars(beta1, beta2, *hyper, step, factored))
         constants = {dev: constants_on(dev, r) for dev, r in rows.items()}
         if flags is not None:
             for table in constants.values():

@@ -41,7 +41,8 @@ from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, 
 from gefen.kernels import resolve_backend_option
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.optim._base import StepSkip, WorkItem, iter_named_params
-from gefen.optim.gefen import Gefen, check_not_inference
+from gefen.optim._capture import check_not_inference
+from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 from gefen.optim.routing import (
     BACKUP_OPTIMIZERS,
