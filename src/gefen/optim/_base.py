@@ -446,7 +446,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             plan[g].append(WorkItem(param, grad, name, shard))
         return plan
 
-    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], StepSkip | None]:
+    def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, list[list[WorkItem]], StepSkip | None, bool]:
         """Everything a step checks before it may change anything: the closure, the groups and gradients, the
         GradScaler protocol (unscaling the gradients unless it found an overflow) and the NaN/Inf policy.
 
@@ -455,8 +455,9 @@ class GefenOptimizer(torch.optim.Optimizer):
         NaN/Inf gradient on any rank skips the step on all of them.
 
         Returns:
-            ``(closure's loss, plan, skip)``; ``skip`` says why the step must change nothing (GradScaler overflow,
-            or a NaN/Inf gradient under ``nonfinite="skip"``), ``None`` when it runs.
+            ``(closure's loss, plan, skip, deferred)``; ``skip`` says why the step must change nothing (GradScaler
+            overflow, or a NaN/Inf gradient under ``nonfinite="skip"``), ``None`` when it runs; ``deferred``: the
+            NaN/Inf policy was left to the step itself (:meth:`_defers_finite_check`).
 
         Raises:
             StepError, ConfigError: see :meth:`_prepare`, :meth:`_amp_skip`, :meth:`_check_finite` (a sharded
@@ -467,10 +468,12 @@ class GefenOptimizer(torch.optim.Optimizer):
             loss = self._evaluate_closure(closure)
             plan = self._prepare()
             if self._amp_skip(plan):
-                return loss, plan, StepSkip(nonfinite=False)
+                return loss, plan, StepSkip(nonfinite=False), False
             self._check_fresh_under_capture(plan)
-            bad = [] if self._defers_finite_check(plan) else self._check_finite(plan)
-            return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None
+            if self._defers_finite_check(plan):
+                return loss, plan, None, True
+            bad = self._check_finite(plan)
+            return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None, False
         loss, plan, failure, overflow, present, bad = None, [], None, False, False, []
         try:
             loss = self._evaluate_closure(closure)
@@ -487,8 +490,8 @@ class GefenOptimizer(torch.optim.Optimizer):
             self.kind, "step", shard, failure, self._identity(), presence, (present, overflow), bool(bad)
         )
         if overflow:
-            return loss, plan, StepSkip(nonfinite=False)
-        return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if nonfinite else None
+            return loss, plan, StepSkip(nonfinite=False), False
+        return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if nonfinite else None, False
 
     def _record_skip(self, skip: StepSkip) -> None:
         """Count and report a step skipped for NaN/Inf gradients (nothing else changes)."""

@@ -302,11 +302,10 @@ class Gefen(GefenOptimizer):
         check_capture(self)
         check_not_inference(self.kind)
         self._settle_pending_check()  # the previous step, if it was decided on the device
-        loss, plan, skip = self._preflight(closure)
+        loss, plan, skip, deferred = self._preflight(closure)  # deferred: the policy is applied below
         if skip is not None:  # GradScaler overflow or NaN/Inf under nonfinite="skip": nothing changes
             self._record_skip(skip)
             return loss
-        deferred = self._defers_finite_check(plan)  # then the step applies the policy before its first write
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
         periods = self._search_periods(fresh)
@@ -561,8 +560,8 @@ class Gefen(GefenOptimizer):
 
         True for a steady step under ``"skip"`` or ``"raise"``: no parameter starts now (no period search, codebook
         or initial decay runs before the backends are chosen), none is sharded (ranks agree on skips before any
-        step), not ``capturable``, and no :class:`gefen.GefenMuonHybrid` applied the policy already. A pure
-        function of the plan and the state, so the preflight and :meth:`_step` agree.
+        step), not ``capturable``, and no :class:`gefen.GefenMuonHybrid` applied the policy already. Asked
+        once per step, by the preflight.
         """
         if not self._checks_finite_in_step or self.nonfinite == "propagate" or self.capturable:
             return False
