@@ -5,9 +5,7 @@ Policies (the ``nonfinite=`` option of every Gefen optimizer):
 * ``"skip"`` (the default) — a step in which any gradient of the optimizer holds a NaN, an Inf or a value whose
   square overflows float32 (see :func:`gefen.amp.usable_bound`) changes nothing: parameters, state, codebook,
   counters and the global step stay as they were; the step warns naming the parameters and counts itself in
-  ``skipped_steps`` (saved in checkpoints). The check is one min/max reduction per gradient and one host read
-  per step; on a steady CPU step of the native backend the library makes it inside its own passes instead
-  (see ``Gefen._defers_finite_check``).
+  ``skipped_steps`` (saved in checkpoints). Where the check runs, and what it costs, is said below.
 * ``"raise"`` — the same check, but the step raises :class:`~gefen.errors.StepError` (nothing changed); the
   default under ``deterministic=True``.
 * ``"propagate"`` — let them through like ``torch.optim.AdamW`` (the run is poisoned); only a parameter's first

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from gefen.kernels.native import NATIVE_DTYPES, native_status
 
-__all__ = ["BACKENDS", "resolve_backend_option", "group_backend", "native_supports", "runs_natively", "auto_backend"]
+__all__ = ["BACKENDS", "resolve_backend_option", "group_backend", "native_supports", "auto_backend"]
 
 #: The accepted ``backend`` values.
 BACKENDS = ("auto", "native", "compiled", "eager")
@@ -96,12 +96,6 @@ def native_supports(param: Tensor, grad_dtype: torch.dtype) -> str:
     if grad_dtype not in NATIVE_DTYPES and grad_dtype != torch.float64:
         return f"the gradient is {grad_dtype}"
     return ""
-
-
-def runs_natively(param: Tensor, grad_dtype: torch.dtype, group: Mapping[str, Any]) -> bool:
-    """Whether an unsharded parameter of ``group`` steps on the native backend (what ``Gefen`` chooses for it when
-    ``backend`` is ``"auto"`` or ``"native"`` and the library supports it)."""
-    return group_backend(group) in ("auto", "native") and not native_supports(param, grad_dtype)
 
 
 def auto_backend(param: Tensor, grad_dtype: torch.dtype, compiled_by_default: bool) -> tuple[str, str]:
