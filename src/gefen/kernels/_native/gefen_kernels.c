@@ -673,6 +673,11 @@ TV static inline __attribute__((always_inline)) __m512i perm64(__m512i x) {
     return _mm512_permutexvar_epi8(_mm512_loadu_si512((const void *)order), x);
 }
 
+/* The 64-bit mask of four 16-lane masks (m[k] -> bits 16k .. 16k + 15), in mask registers. */
+TV static inline __attribute__((always_inline)) __mmask64 join4(const __mmask16 m[4]) {
+    return _mm512_kunpackd((__mmask64)_mm512_kunpackw(m[3], m[2]), (__mmask64)_mm512_kunpackw(m[1], m[0]));
+}
+
 /* table[idx] for 64 uint8 indices given in perm64 order; out[k] = elements 16k .. 16k+15 as fp32 */
 TV static inline __attribute__((always_inline)) __m512i plane(const planes256 *t, int k, __m512i pidx,
                                                               __mmask64 high) {
@@ -832,24 +837,25 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
     const __m512i zero = _mm512_setzero_si512(), ones8 = _mm512_set1_epi8(1);
     const __m512 half_buckets = _mm512_set1_ps((float)(buckets / 2));
     const __m512i last = _mm512_set1_epi32(buckets - 1), bit8 = _mm512_set1_epi32(256);
-    const __m512i bit9 = _mm512_set1_epi32(512);
+    const __m512i bit9 = _mm512_set1_epi32(512), byte = _mm512_set1_epi32(255);
     int64_t j = j0;
     for (; j + 64 <= j1; j += 64) {
         __m512 u[4];
-        __m128i low[4];
-        __mmask64 hi8 = 0, hi9 = 0;
+        __m512i low[4];
+        __mmask16 m8[4], m9[4];
         UNROLL4
         for (int k = 0; k < 4; k++) {
             u[k] = quotient16(_mm512_loadu_ps(buf + j + 16 * k), vden, vinv, markstein);
             __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u[k], one), half_buckets));
             b = _mm512_min_epi32(_mm512_max_epi32(b, zero), last); /* NaN -> INT_MIN -> 0 */
-            low[k] = _mm512_cvtepi32_epi8(b);
-            hi8 |= (__mmask64)_mm512_test_epi32_mask(b, bit8) << (16 * k);
-            hi9 |= (__mmask64)_mm512_test_epi32_mask(b, bit9) << (16 * k);
+            low[k] = buckets > 256 ? _mm512_and_si512(b, byte) : b;
+            m8[k] = _mm512_test_epi32_mask(b, bit8);
+            m9[k] = _mm512_test_epi32_mask(b, bit9);
         }
-        __m512i key = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(low[0]), low[1], 1)),
-            _mm256_inserti128_si256(_mm256_castsi128_si256(low[2]), low[3], 1), 1);
+        /* the low bytes of the 64 buckets: the in-lane packs leave them in perm64 order, which perm64 undoes */
+        const __m512i key = perm64(_mm512_packus_epi16(_mm512_packus_epi32(low[0], low[1]),
+                                                       _mm512_packus_epi32(low[2], low[3])));
+        const __mmask64 hi8 = join4(m8), hi9 = join4(m9);
         __m512i idx = bytes256(vt->base[0], key);
         if (buckets >= 512) idx = _mm512_mask_blend_epi8(hi8, idx, bytes256(vt->base[1], key));
         if (buckets >= 1024) {
@@ -859,11 +865,10 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
         for (int64_t st = 0; st < steps; st++) {
             __m512 t[4];
             lookup64(&vt->thresholds, perm64(idx), &t[0], &t[1], &t[2], &t[3]);
-            __mmask64 pass = 0;
+            __mmask16 pass[4];
             UNROLL4
-            for (int k = 0; k < 4; k++)
-                pass |= (__mmask64)_mm512_cmp_ps_mask(t[k], u[k], _CMP_LT_OQ) << (16 * k);
-            idx = _mm512_mask_add_epi8(idx, pass, idx, ones8);
+            for (int k = 0; k < 4; k++) pass[k] = _mm512_cmp_ps_mask(t[k], u[k], _CMP_LT_OQ);
+            idx = _mm512_mask_add_epi8(idx, join4(pass), idx, ones8);
         }
         _mm512_storeu_si512((void *)(codes + base + j), idx);
         __m512 c[4];
