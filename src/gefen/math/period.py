@@ -10,6 +10,7 @@ re-predicted (that is the optimizer's business, not this module's).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -63,6 +64,12 @@ def divisors(n: int) -> list[int]:
     """
     if n < 1:
         raise ValueError(f"divisors(n) needs n >= 1, got n={n}")
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    """:func:`divisors` as a tuple, cached: a model repeats a few shapes, and the loop runs to ``sqrt(n)``."""
     small: list[int] = []
     large: list[int] = []
     for d in range(1, math.isqrt(n) + 1):
@@ -70,7 +77,7 @@ def divisors(n: int) -> list[int]:
             small.append(d)
             if d != n // d:
                 large.append(n // d)
-    return [d for d in small + large[::-1] if d != n]
+    return tuple(d for d in small + large[::-1] if d != n)
 
 
 def largest_divisor_at_most(n: int, cap: int) -> int:
