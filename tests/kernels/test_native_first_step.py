@@ -209,3 +209,92 @@ def test_native_period_scores_checks() -> None:
         native.period_scores(g, [7], torch.empty(70_000, dtype=torch.float64))  # N + 1 needed
     workspace = torch.full((70_001,), float("nan"), dtype=torch.float64)
     assert native.period_scores(g, [7, 10], workspace) == native.period_scores(g, [7, 10])
+
+
+def _needed_candidates(n: int) -> list[int]:
+    from gefen.math.period import _candidates, _needed
+
+    cands = _candidates(n)
+    return [cands[k] for k in _needed(cands)]
+
+
+# Mixed classes: multiples of 8 (groups of 8) plus others with a gcd >= 2 (groups of that gcd: 11, 12, 10, 13 and
+# 14, 97 (runs of 12 + 1), 131 (a prime times 8), 3, ...), and chunk tails of both.
+GROUPED_SIZES = [720_896, 3 * 2**16, 5 * 2**15, 11 * 2**13, 91 * 2**10, 8 * 131 * 16, 97 * 4096, 11 * 88 * 3, 3**7 * 8]
+
+
+@pytest.mark.parametrize("n", GROUPED_SIZES)
+@pytest.mark.parametrize("pattern", ["noise", "blocks11", "sparse", "huge"])
+def test_native_grouped_period_scores_match_the_torch_reference(n, pattern) -> None:
+    """Candidates mixing multiples of 8 with multiples of another gcd: every score within 1e-11 of the reference,
+    and the same chosen period; the blocks11 gradients have a true period of 11 k (so the choice is checked)."""
+    gen = torch.Generator().manual_seed(n % 1000)
+    g = torch.randn(n, generator=gen)
+    if pattern == "blocks11":
+        block = next((11 * k for k in (4, 2, 1, 8) if n % (11 * k) == 0 and n // (11 * k) >= 8), None)
+        block = block or next(p for p in _needed_candidates(n) if p % 8 and p > 8)
+        g = g * torch.exp(2 * torch.randn(n // block, generator=gen)).repeat_interleave(block)
+    elif pattern == "sparse":
+        g[::3] = 0.0
+    elif pattern == "huge":
+        g = g * 1e18
+    needed = _needed_candidates(n)
+    others = [p for p in needed if p % 8]
+    assert needed and others  # the grouped path with two classes at least
+    for cands in (needed, others, [p for p in divisors(n) if n // p >= 2 and p % 8 and p % 2 == 0]):
+        if not cands:
+            continue
+        expected = period_scores(g.square(), cands)
+        got, nonzero = native.period_scores(g, cands)
+        assert nonzero is True and got is not None
+        np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
+    chosen = find_period(g, backend="native")
+    assert chosen == find_period(g, backend="torch")
+    if pattern == "blocks11":
+        assert chosen % 11 == 0 or n % 11 != 0
+
+
+def test_native_grouped_period_scores_are_identical_on_every_path_and_thread_count() -> None:
+    results = []
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(7)
+    cases = []
+    for n in (720_896, 91 * 2**10, 97 * 4096):
+        g = torch.randn(n, generator=gen) * torch.exp(torch.randn(n // 11 + 1, generator=gen)).repeat_interleave(11)[:n]
+        needed = _needed_candidates(n)
+        cases.append((g, needed, [p for p in needed if p % 8]))
+    try:
+        for level in _native_levels():
+            native.force_level(level)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                results.append([(native.period_scores(g, a)[0], native.period_scores(g, b)[0]) for g, a, b in cases])
+    finally:
+        native.force_level(None)
+        torch.set_num_threads(threads)
+    assert all(r == results[0] for r in results), "scores differ between CPU paths or thread counts"
+
+
+@pytest.mark.parametrize("level", ["scalar", None])
+def test_native_grouped_period_scores_checks(level) -> None:
+    n = 720_896
+    needed = _needed_candidates(n)
+    native.force_level(level)
+    try:
+        g = torch.randn(n, generator=torch.Generator().manual_seed(3))
+        assert native.period_scores(torch.zeros(n), needed) == ([0.0] * len(needed), False)
+        assert native.period_scores(torch.full((n,), -3.0), needed) == ([0.0] * len(needed), True)
+        for at in (0, 11 * 5957 + 3, n - 1):  # first element, a class chunk's edge, the last element
+            big = g.clone()
+            big[at] = 2e19
+            assert native.period_scores(big, needed) == (None, True)
+            for bad in (float("nan"), float("inf")):
+                worse = g.clone()
+                worse[at] = bad
+                with pytest.raises(ValueError, match="finite"):
+                    native.period_scores(worse, needed)
+        tiny = torch.zeros(n)
+        tiny[n // 3] = 1e-30  # its square underflows fp32: every x equal, but not every g zero
+        assert native.period_scores(tiny, needed) == ([0.0] * len(needed), True)
+    finally:
+        native.force_level(None)

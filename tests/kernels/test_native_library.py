@@ -351,6 +351,20 @@ ASAN_SCRIPT = textwrap.dedent(
                 native.period_scores(g, cands)
             except ValueError:
                 cases += 1
+        # grouped classes: 8 with 11, 12, 97 (runs of 12 + 1), 3; 11 with 12; 13 with 14; 22, 194, 2 (tails too)
+        for n in (88, 264, 5824, 90_112, 196_608, 397_312, 8 * 3**5):
+            g = torch.randn(n, generator=gen)
+            cands = [d for d in divisors(n) if n // d >= 4 and d >= 8]
+            for subset in (cands, [d for d in cands if d % 8], [d for d in cands if d % 8 and d % 2 == 0]):
+                if subset:
+                    native.period_scores(g, subset)
+                    native.period_scores(g, subset, torch.empty(n + 1, dtype=torch.float64))
+                    cases += 1
+            g[n - 1] = float("inf")
+            try:
+                native.period_scores(g, cands)
+            except ValueError:
+                cases += 1
     native.force_level(None)
     print("ASAN-OK", cases)
     """

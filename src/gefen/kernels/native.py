@@ -657,11 +657,15 @@ def period_scores(
 
     The programme of :func:`gefen.math.period.period_scores` (the reference) on ``x = g * g``: float64 logs
     ``ln(x + 1e-12)`` (the library's own log, a few ulp), centred, one prefix sum, the mean absolute difference of
-    adjacent block means per candidate; in a fixed order, so the same scores for any thread count and CPU. When
-    every candidate is a multiple of 8, only sums of 8 consecutive logs are needed, and each is taken as the sum
-    of the logs of two products of four ``x + 1e-12`` (a quarter of the logs, an eighth of the prefix). The
-    rounding differs from the reference's torch ops: scores agree to about 1e-12 relative (the tests hold them
-    to 1e-11).
+    adjacent block means per candidate; in a fixed order, so the same scores for any thread count and CPU. A
+    candidate ``p`` reads the prefix only at multiples of ``p``, so the candidates are grouped into classes whose
+    periods share a group size ``G``: the multiples of 8 (``G = 8``), then the others by their gcd (e.g. ``G = 11``
+    for a 512 x 1408 weight, whose candidates are multiples of 8 and 11, 22, 44). Each class keeps one prefix value
+    per ``G`` elements, the sum of their logs taken as the logs of products of up to 12 consecutive
+    ``(x + 1e-12) * 2**-44`` (no overflow or underflow for any finite fp32 ``g * g``; the constant shift cancels in
+    the centring): one log per 8 or 11 elements instead of one per element. When some class would need
+    ``G = 1`` (or grouping would not save work) one per-element prefix serves all. The rounding differs from the
+    reference's torch ops: scores agree to about 1e-12 relative (the tests hold them to 1e-11).
 
     Args:
         g: fp32, CPU, contiguous, ``N = g.numel() >= 1`` elements.

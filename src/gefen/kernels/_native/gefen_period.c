@@ -9,7 +9,13 @@
  * from the reference in their rounding only (the reference uses torch's log, mean, cumsum and mean): scores agree
  * to about 1e-12 relative, and every order here is fixed (chunks of PERIOD_CHUNK elements, lanes of 8), so the
  * scores are the same for any thread count and on every ISA (the scalar path replays the AVX2 path's order).
- * When every candidate is a multiple of 8 the prefix holds one value per 8 elements (see group8_scalar).
+ * Grouping (plan_classes): the candidates are split into classes, each with a group size G dividing all of its
+ * periods: the multiples of 8 (G = 8), then the others by a greedy gcd (G >= 2; e.g. 11 for a 512 x 1408 weight).
+ * Each class has its own prefix, of one value per G elements (the sum of their logs, taken as logs of products of
+ * up to 12 scaled factors: see "grouped values" below), its own mean, and scores its candidates; the prefixes fit
+ * in n + 1 doubles. When a class would be G = 1, or grouping would not save work, one per-element prefix (one log
+ * per element) serves every candidate. The scores are summed per range of a class's prefix (all its candidates
+ * while that range is in the cache), without a division per block.
  *
  * ln: x = 2^e m with m in [sqrt(1/2), sqrt(2)), ln x = e ln2 + 2 atanh(s), s = (m - 1) / (m + 1), the atanh series
  * to z^10 (z = s^2 <= 0.0295: truncation below 1e-18), e ln2 in two parts (fdlibm's split). Every multiply-add is
@@ -51,19 +57,6 @@ static inline double ln_positive(double x) { /* x > 0, finite, normal */
     return fma(e, LN2_HI, lnm + e * LN2_LO);
 }
 
-typedef struct {
-    const float *g;
-    double *prefix; /* (n / group + 1,) */
-    int64_t n;
-    int64_t group;       /* 1, or 8: one value per 8 elements (the sum of their logs, see group8_scalar) */
-    double *chunk_sum;   /* (chunks,) */
-    double *chunk_start; /* (chunks,) prefix value before each chunk */
-    int *flags;          /* (chunks,): 1 non-finite g, 2 g*g overflowed, 4 some g != 0, 8 some x != x0 */
-    float x0;            /* g[0] * g[0] */
-    double mean;
-    int avx2;
-} period_ctx;
-
 /* Logs of elements [i, i1) into out[i + 1 ..], added one by one to *total; flags as in period_ctx. */
 static void logs_tail(const float *g, double *out, int64_t i, int64_t i1, float x0, double *total, int *flags) {
     for (; i < i1; i++) {
@@ -81,7 +74,7 @@ static inline double sum8(const double lanes[8]) {
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-/* Logs of elements [i0, i1) into out[i0 + 1 ..] and their sum: the whole groups of 8 in 8 lanes (lane k takes the
+/* The per-element path (G = 1). Logs of elements [i0, i1) into out[i0 + 1 ..] and their sum: the whole groups of 8 in 8 lanes (lane k takes the
  * elements i0 + j with j % 8 == k, in order), the lanes added as sum8, then the rest one by one (logs_tail). */
 static double logs_scalar(const float *g, double *out, int64_t i0, int64_t i1, float x0, int *flags) {
     double lanes[8] = {0};
@@ -160,30 +153,90 @@ __attribute__((target("avx2,fma"))) static int logs_avx2(const float *g, double 
 }
 #endif
 
-/* Groups of 8 (when every candidate period is a multiple of 8, only the sums of 8 consecutive logs are ever
- * read): the value of group j (elements 8j .. 8j + 7, y_k = x_k + 1e-12 in float64) is
- * ln((y0 y4)(y1 y5)) + ln((y2 y6)(y3 y7)): two logs instead of eight, each of a product of four factors in
- * [1e-48, 1.4e154] (no overflow or underflow); its rounding is that of the per-element sum to a few ulp. The values
- * of [j0, j1) go to out[j + 1], their sum in 4 lanes (lane k: the groups j0 + 4m + k) added as
- * (l0 + l1) + (l2 + l3), then the last (j1 - j0) % 4 groups one by one. */
-static double group8_value(const float *g, int64_t j, float x0, int *flags) {
-    double y[8];
-    for (int k = 0; k < 8; k++) {
-        const float gi = g[8 * j + k], x = gi * gi;
-        if (!(fabsf(gi) <= 3.4028234663852886e38f)) *flags |= 1;
-        else if (!(x <= 3.4028234663852886e38f)) *flags |= 2;
-        if (gi != 0.0f) *flags |= 4;
-        if (x != x0) *flags |= 8;
-        y[k] = (double)x + 1e-12;
-    }
-    if (*flags & 3) return 0.0;
-    return ln_positive((y[0] * y[4]) * (y[1] * y[5])) + ln_positive((y[2] * y[6]) * (y[3] * y[7]));
+/* ------------------------------------------------------------------ grouped values
+ * A class of candidates whose periods are all multiples of G >= 2 reads its prefix only at multiples of G, so it
+ * keeps one value per group of G elements: the sum of their logs, taken as a sum of logs of products. The group
+ * is cut into runs of at most PERIOD_RUN consecutive elements (runs = ceil(G / 12) runs of 12, the last one
+ * shorter); each run's product of y'_k = (x_k + 1e-12) 2^-44 (exact: a power-of-two scaling of the float64 y_k)
+ * has one log, and the value is l_0 + l_1 + ... in order. Every y_k is in [1e-12, FLT_MAX] (an x above FLT_MAX
+ * is the overflow error, checked first), so y' is in (2^-84, 2^84) and a product of 12 in (2^-1008, 2^1008):
+ * normal, no overflow or underflow. The value is ln(product of y) - 44 ln2 G, the same constant for every value
+ * of the class, which the centring removes (the scores use differences of prefix values only); its rounding is
+ * that of the per-element sum to a few ulp of the value. A run's product is (a0 a1)(a2 a3), a_k = the product
+ * of its y'_{k + 4m} in order of m (a_k = 1 when there are none), which the AVX2 path computes four lanes wide
+ * (the missing factors as 1, an exact multiply). */
+
+#define PERIOD_RUN 12
+/* Elements per buffered piece of the AVX2 grouped pass (whole runs; a multiple of 8, in the L1 cache). */
+#define PERIOD_PIECE 2040
+/* Most classes: the multiples of 8 and two others (more would cost as many passes over g as they save logs). */
+#define PERIOD_MAX_CLASSES 3
+
+typedef struct {
+    int64_t group;  /* G: elements per value (1: per element, the logs of period_logs_task's per-element path) */
+    int64_t runs;   /* runs per group, ceil(G / PERIOD_RUN) */
+    int64_t values; /* n / G */
+    int64_t per;    /* values per chunk (the last chunk may hold fewer) */
+    int64_t chunks;
+    int64_t first;  /* its first chunk's index among the chunks of all classes */
+    double *prefix; /* (values + 1,) */
+} period_class;
+
+typedef struct {
+    const float *g;
+    int64_t n;
+    period_class cls[PERIOD_MAX_CLASSES];
+    int64_t n_classes;
+    double *chunk_sum;   /* (chunks of all classes,) */
+    double *chunk_start; /* (chunks of all classes,) prefix value before each chunk */
+    int *flags;          /* (chunks of all classes,): 1 non-finite g, 2 g*g overflowed, 4 some g != 0, 8 some x != x0 */
+    float x0;            /* g[0] * g[0] */
+    double mean[PERIOD_MAX_CLASSES];
+    int avx2;
+} period_ctx;
+
+static inline void element_flags(float gi, float x, float x0, int *flags) {
+    if (!(fabsf(gi) <= 3.4028234663852886e38f)) *flags |= 1;
+    else if (!(x <= 3.4028234663852886e38f)) *flags |= 2;
+    if (gi != 0.0f) *flags |= 4;
+    if (x != x0) *flags |= 8;
 }
 
-static double group8_scalar(const float *g, double *out, int64_t j0, int64_t j1, float x0, int *flags) {
+static inline double scaled_y(float x) { return ((double)x + 1e-12) * 0x1p-44; }
+
+/* (a0 a1)(a2 a3) of the len (1..PERIOD_RUN) factors y[0 .. len). */
+static inline double run_product(const double *y, int64_t len) {
+    double a[4] = {1.0, 1.0, 1.0, 1.0};
+    for (int64_t i = 0; i < len; i++) a[i & 3] *= y[i];
+    return (a[0] * a[1]) * (a[2] * a[3]);
+}
+
+/* The values of groups [j0, j1) of class c into c->prefix[j + 1], one element at a time (the order of every path). */
+static void groups_scalar(const float *g, const period_class *c, int64_t j0, int64_t j1, float x0, int *flags) {
+    const int64_t G = c->group, runs = c->runs;
+    double y[PERIOD_RUN];
+    for (int64_t j = j0; j < j1; j++) {
+        double v = 0.0;
+        for (int64_t r = 0, e = j * G; r < runs; r++) {
+            const int64_t len = r + 1 < runs ? PERIOD_RUN : G - PERIOD_RUN * (runs - 1);
+            for (int64_t k = 0; k < len; k++) {
+                const float gi = g[e + k], x = gi * gi;
+                element_flags(gi, x, x0, flags);
+                y[k] = scaled_y(x);
+            }
+            const double l = ln_positive(run_product(y, len));
+            v = r ? v + l : l;
+            e += len;
+        }
+        c->prefix[j + 1] = v;
+    }
+}
+
+/* The sum of values [j0, j1) (at out[j + 1]): 4 lanes (lane k: the values j0 + 4m + k) added as (l0 + l1) +
+ * (l2 + l3), then the last (j1 - j0) % 4 one by one. */
+static double sum_values(const double *out, int64_t j0, int64_t j1) {
     double lanes[4] = {0};
     const int64_t full = j0 + ((j1 - j0) & ~(int64_t)3);
-    for (int64_t j = j0; j < j1; j++) out[j + 1] = group8_value(g, j, x0, flags);
     for (int64_t j = j0; j < full; j++) lanes[(j - j0) & 3] += out[j + 1];
     double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
     for (int64_t j = full; j < j1; j++) total += out[j + 1];
@@ -191,83 +244,206 @@ static double group8_scalar(const float *g, double *out, int64_t j0, int64_t j1,
 }
 
 #if GEFEN_X86
-/* y * y' lane by lane for the 8 elements at g: (y0 y4, y1 y5, y2 y6, y3 y7), with the flags' vector tests. */
-__attribute__((target("avx2,fma"))) static inline __m256d pair_products8(const float *g, __m256 vx0, __m256 *bad,
-                                                                          __m256 *nonzero, __m256 *varies) {
+/* y' of the 8 elements at g as two vectors (elements 0-3, 4-7), with the flags' vector tests (bad: not finite, or
+ * an overflowing square). */
+__attribute__((target("avx2,fma"))) static inline void scaled_y8(const float *g, __m256 vx0, __m256 *bad,
+                                                                 __m256 *nonzero, __m256 *varies, __m256d *lo,
+                                                                 __m256d *hi) {
     const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256d delta = _mm256_set1_pd(1e-12);
+    const __m256d delta = _mm256_set1_pd(1e-12), scale = _mm256_set1_pd(0x1p-44);
     const __m256 gi = _mm256_loadu_ps(g), x = _mm256_mul_ps(gi, gi);
     *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
     *nonzero = _mm256_or_ps(*nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     *varies = _mm256_or_ps(*varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
-    const __m256d lo = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta);
-    const __m256d hi = _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta);
-    return _mm256_mul_pd(lo, hi);
+    *lo = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta), scale);
+    *hi = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta), scale);
 }
 
-/* group8_scalar for groups [j0, j1), four groups per iteration; returns 0 (nothing summed) when a value is not
- * finite or squares to an overflow, else 1 with the sum in *sum. */
+/* (p(a), p(b), p(c), p(d)) of four runs' lanes a..d, p(v) = (v0 v1)(v2 v3) (run_product's last step). */
+__attribute__((target("avx2,fma"))) static inline __m256d run_products4(__m256d a, __m256d b, __m256d c, __m256d d) {
+    /* (a0 a1, b0 b1, a2 a3, b2 b3) and (c0 c1, d0 d1, c2 c3, d2 d3) */
+    const __m256d ab = _mm256_mul_pd(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b));
+    const __m256d cd = _mm256_mul_pd(_mm256_unpacklo_pd(c, d), _mm256_unpackhi_pd(c, d));
+    return _mm256_mul_pd(_mm256_permute2f128_pd(ab, cd, 0x20), _mm256_permute2f128_pd(ab, cd, 0x31));
+}
+
+/* out[i] = ln(in[i]) for i < m (in place allowed): four at a time, the last m % 4 in scalar (the same values).
+ * A pass of its own: the long dependency chain of each log overlaps with the next ones only in a short loop. */
+__attribute__((target("avx2,fma"))) static void ln_array_avx2(const double *in, double *out, int64_t m) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) _mm256_storeu_pd(out + i, ln_positive4(_mm256_loadu_pd(in + i)));
+    for (; i < m; i++) out[i] = ln_positive(in[i]);
+}
+
+/* Groups of 8 straight from g (one run per group: lane k of a group is y'_k y'_{k + 4}): the products of up to
+ * 64 groups, four per iteration, into out, then their logs in place; the last (j1 - j0) % 4 groups in scalar; returns 0 (values unusable) when a value is not finite or
+ * squares to an overflow, else 1. */
 __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, double *out, int64_t j0, int64_t j1,
-                                                           float x0, double *sum, int *flags) {
+                                                           float x0, int *flags) {
     const __m256 vx0 = _mm256_set1_ps(x0);
     __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
-    __m256d acc = _mm256_setzero_pd();
     int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const __m256d pa = pair_products8(g + 8 * j, vx0, &bad, &nonzero, &varies);
-        const __m256d pb = pair_products8(g + 8 * j + 8, vx0, &bad, &nonzero, &varies);
-        const __m256d pc = pair_products8(g + 8 * j + 16, vx0, &bad, &nonzero, &varies);
-        const __m256d pd = pair_products8(g + 8 * j + 24, vx0, &bad, &nonzero, &varies);
-        /* (a0 a1, b0 b1, a2 a3, b2 b3) and (c0 c1, d0 d1, c2 c3, d2 d3) */
-        const __m256d ab = _mm256_mul_pd(_mm256_unpacklo_pd(pa, pb), _mm256_unpackhi_pd(pa, pb));
-        const __m256d cd = _mm256_mul_pd(_mm256_unpacklo_pd(pc, pd), _mm256_unpackhi_pd(pc, pd));
-        const __m256d first = _mm256_permute2f128_pd(ab, cd, 0x20), second = _mm256_permute2f128_pd(ab, cd, 0x31);
-        const __m256d v = _mm256_add_pd(ln_positive4(first), ln_positive4(second));
-        _mm256_storeu_pd(out + j + 1, v);
-        acc = _mm256_add_pd(acc, v);
+    while (j + 4 <= j1) { /* batches of up to 64 groups: their products into out, then their logs in place */
+        const int64_t batch_end = j + 64 <= j1 ? j + 64 : j + ((j1 - j) & ~(int64_t)3), start = j;
+        for (; j < batch_end; j += 4) {
+            __m256d lanes[4];
+            for (int k = 0; k < 4; k++) {
+                __m256d lo, hi;
+                scaled_y8(g + 8 * (j + k), vx0, &bad, &nonzero, &varies, &lo, &hi);
+                lanes[k] = _mm256_mul_pd(lo, hi);
+            }
+            _mm256_storeu_pd(out + j + 1, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
+        }
+        ln_array_avx2(out + start + 1, out + start + 1, batch_end - start);
     }
     if (_mm256_movemask_ps(bad)) return 0;
     if (_mm256_movemask_ps(nonzero)) *flags |= 4;
     if (_mm256_movemask_ps(varies)) *flags |= 8;
-    double lanes[4];
-    _mm256_storeu_pd(lanes, acc);
-    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    double y[8];
     for (; j < j1; j++) {
-        out[j + 1] = group8_value(g, j, x0, flags);
-        total += out[j + 1];
+        for (int k = 0; k < 8; k++) {
+            const float gi = g[8 * j + k], x = gi * gi;
+            element_flags(gi, x, x0, flags);
+            y[k] = scaled_y(x);
+        }
+        out[j + 1] = ln_positive(run_product(y, 8));
     }
-    if (*flags & 3) return 0;
-    *sum = total;
-    return 1;
+    return !(*flags & 3);
+}
+
+/* Lanes 0..3 of one run of len (1..PERIOD_RUN) factors at y: a_k (run_product), missing factors as 1. Reads
+ * y[0 .. 12) whatever len. */
+__attribute__((target("avx2,fma"))) static inline __m256d run_lanes(const double *y, int64_t len) {
+    const __m256d one = _mm256_set1_pd(1.0);
+    const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256d v = _mm256_loadu_pd(y);
+    if (len < 4) v = _mm256_blendv_pd(one, v, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len), lane)));
+    if (len > 4) {
+        __m256d w = _mm256_loadu_pd(y + 4);
+        if (len < 8)
+            w = _mm256_blendv_pd(one, w, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len - 4), lane)));
+        v = _mm256_mul_pd(v, w);
+    }
+    if (len > 8) {
+        __m256d w = _mm256_loadu_pd(y + 8);
+        if (len < 12)
+            w = _mm256_blendv_pd(one, w, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len - 8), lane)));
+        v = _mm256_mul_pd(v, w);
+    }
+    return v;
+}
+
+/* groups_scalar for any G >= 2: pieces of whole runs (at most PERIOD_PIECE elements) are squared, checked and
+ * scaled 8 at a time into a buffer, then their runs' products taken four runs at a time (the last runs of a
+ * piece in scalar), then their logs (ln_array_avx2), then the values (each group's logs added in order). Returns 0 (values unusable) when a value is not finite or squares to an overflow,
+ * else 1. */
+__attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const period_class *c, int64_t j0,
+                                                           int64_t j1, float x0, int *flags) {
+    double y[PERIOD_PIECE + 16]; /* + 16: run_lanes reads 12 from the last run's start */
+    double prod[PERIOD_PIECE];   /* the runs' products, then their logs */
+    const int64_t G = c->group, runs = c->runs, last = G - PERIOD_RUN * (runs - 1);
+    double *out = c->prefix;
+    const __m256 vx0 = _mm256_set1_ps(x0);
+    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    int64_t r = j0 * runs, q = 0, j = j0, e = j0 * G; /* next run: its index, its place in group j, its start */
+    const int64_t r_end = j1 * runs;
+    double cur = 0.0; /* group j's value so far */
+    while (r < r_end) {
+        int64_t count = 0, len = 0; /* runs and elements of this piece */
+        for (int64_t qq = q; r + count < r_end; count++) {
+            const int64_t l = qq + 1 < runs ? PERIOD_RUN : last;
+            if (len + l > PERIOD_PIECE) break;
+            len += l;
+            qq = qq + 1 == runs ? 0 : qq + 1;
+        }
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) {
+            __m256d lo, hi;
+            scaled_y8(g + e + i, vx0, &bad, &nonzero, &varies, &lo, &hi);
+            _mm256_storeu_pd(y + i, lo);
+            _mm256_storeu_pd(y + i + 4, hi);
+        }
+        for (; i < len; i++) {
+            const float gi = g[e + i], x = gi * gi;
+            element_flags(gi, x, x0, flags);
+            y[i] = scaled_y(x);
+        }
+        for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
+        /* the runs' products (four at a time, the rest in scalar: the same values), then their logs */
+        int64_t k = 0, off = 0, qk = q;
+        for (; k + 4 <= count; k += 4) {
+            __m256d lanes[4];
+            for (int m = 0; m < 4; m++) {
+                const int64_t l = qk + 1 < runs ? PERIOD_RUN : last;
+                lanes[m] = run_lanes(y + off, l);
+                off += l;
+                qk = qk + 1 == runs ? 0 : qk + 1;
+            }
+            _mm256_storeu_pd(prod + k, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
+        }
+        for (; k < count; k++) {
+            const int64_t l = qk + 1 < runs ? PERIOD_RUN : last;
+            prod[k] = run_product(y + off, l);
+            off += l;
+            qk = qk + 1 == runs ? 0 : qk + 1;
+        }
+        if (runs == 1) { /* one run per group: the logs are the values */
+            ln_array_avx2(prod, out + j + 1, count);
+            j += count;
+        } else {
+            ln_array_avx2(prod, prod, count);
+            for (k = 0; k < count; k++) {
+                cur = q ? cur + prod[k] : prod[k];
+                if (q + 1 == runs) {
+                    out[++j] = cur;
+                    q = 0;
+                } else {
+                    q++;
+                }
+            }
+        }
+        r += count;
+        e += len;
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
+    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    return !(*flags & 3);
 }
 #endif
 
+/* Chunk t of all classes' chunks: its class's values (or per-element logs) into the prefix, their sum, flags. */
 static void period_logs_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
-    const int64_t i0 = t * PERIOD_CHUNK, i1 = i0 + PERIOD_CHUNK < c->n ? i0 + PERIOD_CHUNK : c->n;
+    int64_t k = 0;
+    while (k + 1 < c->n_classes && t >= c->cls[k + 1].first) k++;
+    const period_class *cl = &c->cls[k];
+    const int64_t j0 = (t - cl->first) * cl->per, j1 = j0 + cl->per < cl->values ? j0 + cl->per : cl->values;
     int flags = 0;
-    if (c->group == 8) {
+    if (cl->group == 1) {
 #if GEFEN_X86
-        if (c->avx2 && group8_avx2(c->g, c->prefix, i0 / 8, i1 / 8, c->x0, &c->chunk_sum[t], &flags)) {
+        if (c->avx2 && logs_avx2(c->g, cl->prefix, j0, j1, c->x0, &c->chunk_sum[t], &flags)) {
             c->flags[t] = flags;
             return;
         }
         flags = 0;
 #endif
-        c->chunk_sum[t] = group8_scalar(c->g, c->prefix, i0 / 8, i1 / 8, c->x0, &flags);
+        c->chunk_sum[t] = logs_scalar(c->g, cl->prefix, j0, j1, c->x0, &flags);
         c->flags[t] = flags;
         return;
     }
+    int done = 0;
 #if GEFEN_X86
-    if (c->avx2 && logs_avx2(c->g, c->prefix, i0, i1, c->x0, &c->chunk_sum[t], &flags)) {
-        c->flags[t] = flags;
-        return;
+    if (c->avx2) {
+        done = cl->group == 8 ? group8_avx2(c->g, cl->prefix, j0, j1, c->x0, &flags)
+                              : groups_avx2(c->g, cl, j0, j1, c->x0, &flags);
+        if (!done) flags = 0; /* redone in scalar, which tells a non-finite value from an overflow */
     }
-    flags = 0;
 #endif
-    c->chunk_sum[t] = logs_scalar(c->g, c->prefix, i0, i1, c->x0, &flags);
+    if (!done) groups_scalar(c->g, cl, j0, j1, c->x0, &flags);
+    c->chunk_sum[t] = sum_values(cl->prefix, j0, j1);
     c->flags[t] = flags;
 }
 
@@ -296,16 +472,18 @@ __attribute__((target("avx2"))) static int64_t prefix4_avx2(double *P, int64_t i
 }
 #endif
 
-/* P[i + 1] = P[i] + (l_i - mean) over one chunk, four at a time: within a group of 4 the partial sums are
- * (d0, d0 + d1, (d1 + d2) + d0, (d2 + d3) + (d0 + d1)), each added to the running value (the AVX2 path's order,
- * replayed by the scalar path). */
+/* P[i + 1] = P[i] + (v_i - mean) over one chunk of one class, four at a time: within a group of 4 the partial
+ * sums are (d0, d0 + d1, (d1 + d2) + d0, (d2 + d3) + (d0 + d1)), each added to the running value (the AVX2 path's
+ * order, replayed by the scalar path). */
 static void period_prefix_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
-    const int64_t per = PERIOD_CHUNK / c->group, len = c->n / c->group; /* values per chunk, in all */
-    const int64_t i0 = t * per, i1 = i0 + per < len ? i0 + per : len;
-    double *P = c->prefix, run = c->chunk_start[t];
-    const double mean = c->mean;
+    int64_t k = 0;
+    while (k + 1 < c->n_classes && t >= c->cls[k + 1].first) k++;
+    const period_class *cl = &c->cls[k];
+    const int64_t i0 = (t - cl->first) * cl->per, i1 = i0 + cl->per < cl->values ? i0 + cl->per : cl->values;
+    double *P = cl->prefix, run = c->chunk_start[t];
+    const double mean = c->mean[k];
     int64_t i = i0;
 #if GEFEN_X86
     if (c->avx2) {
@@ -323,65 +501,183 @@ static void period_prefix_task(const void *ctx_, int64_t t, int64_t thread) {
     for (; i < i1; i++) P[i + 1] = run = run + (P[i + 1] - mean);
 }
 
-/* Block differences per task of the scores: a fixed number, so each score's sum has one order (its segments'
- * partial sums, each in order, added in order) whatever the thread count. */
-#define SCORE_SEGMENT 32768
+/* Prefix values per task of the scores: every candidate of a class is scored over one range of its prefix while
+ * that range is in the cache (one pass over the prefix, not one per candidate). The ranges are fixed, so each
+ * score's sum has one order (its ranges' partial sums, each in order, added in order) whatever the thread count. */
+#define SCORE_RANGE 8192
 
 typedef struct {
-    const double *P;
-    const int64_t *cands;
-    const int64_t *task_cand, *task_seg; /* (tasks,) */
-    double *partial;                     /* (tasks,) */
-    int64_t n, group;                    /* P holds one value per group of elements */
+    const period_ctx *c;
+    const int64_t *cands, *cand_class, *part_at; /* (n_cands,): class, index of the first of its partial sums */
+    const int64_t *task_class, *task_range;      /* (tasks,) */
+    double *partial;
+    int64_t n_cands;
 } score_ctx;
 
-/* The sum of |m_b - m_{b-1}| over the differences b in [1 + s SCORE_SEGMENT, ...) of one candidate. */
+/* The differences b (1 <= b < B) with b s in [v0, v1) of a candidate of stride s (p / G in its class's prefix P):
+ * the sum of |D_b - D_{b-1}|, D_b = P[(b + 1) s] - P[b s] (p times block b's mean), in 4 lanes (lane k: the b with
+ * (b - b0) % 4 == k) added as (l0 + l1) + (l2 + l3), then the last ones one by one. */
+static double score_range(const double *P, int64_t s, int64_t B, int64_t v0, int64_t v1) {
+    int64_t b = (v0 + s - 1) / s;
+    if (b < 1) b = 1;
+    int64_t b1 = (v1 + s - 1) / s;
+    if (b1 > B) b1 = B;
+    if (b >= b1) return 0.0;
+    double at = P[b * s], prev = at - P[(b - 1) * s];
+    double l0 = 0.0, l1 = 0.0, l2 = 0.0, l3 = 0.0;
+    for (; b + 4 <= b1; b += 4) {
+        const double p1 = P[(b + 1) * s], p2 = P[(b + 2) * s], p3 = P[(b + 3) * s], p4 = P[(b + 4) * s];
+        const double d0 = p1 - at, d1 = p2 - p1, d2 = p3 - p2, d3 = p4 - p3;
+        l0 += fabs(d0 - prev);
+        l1 += fabs(d1 - d0);
+        l2 += fabs(d2 - d1);
+        l3 += fabs(d3 - d2);
+        prev = d3;
+        at = p4;
+    }
+    double total = (l0 + l1) + (l2 + l3);
+    for (; b < b1; b++) {
+        const double next = P[(b + 1) * s], d = next - at;
+        total += fabs(d - prev);
+        prev = d;
+        at = next;
+    }
+    return total;
+}
+
+/* Range u of class k: every candidate of the class, its partial sum. Plain C (no division), the same on every
+ * path. */
 static void period_score_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
-    const score_ctx *c = (const score_ctx *)ctx_;
-    const int64_t B = c->n / c->cands[c->task_cand[t]], p = c->cands[c->task_cand[t]] / c->group;
-    const int64_t b0 = 1 + c->task_seg[t] * SCORE_SEGMENT, b1 = b0 + SCORE_SEGMENT < B ? b0 + SCORE_SEGMENT : B;
-    const double width = (double)(p * c->group), *P = c->P;
-    double prev = (P[b0 * p] - P[(b0 - 1) * p]) / width, total = 0.0;
-    for (int64_t b = b0; b < b1; b++) {
-        const double m = (P[(b + 1) * p] - P[b * p]) / width;
-        total += fabs(m - prev);
-        prev = m;
+    const score_ctx *sc = (const score_ctx *)ctx_;
+    const int64_t k = sc->task_class[t], u = sc->task_range[t];
+    const period_class *cl = &sc->c->cls[k];
+    const int64_t v0 = u * SCORE_RANGE, v1 = v0 + SCORE_RANGE < cl->values ? v0 + SCORE_RANGE : cl->values;
+    for (int64_t i = 0; i < sc->n_cands; i++)
+        if (sc->cand_class[i] == k)
+            sc->partial[sc->part_at[i] + u] =
+                score_range(cl->prefix, sc->cands[i] / cl->group, sc->c->n / sc->cands[i], v0, v1);
+}
+
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b) {
+        const int64_t r = a % b;
+        a = b;
+        b = r;
     }
-    c->partial[t] = total;
+    return a;
+}
+
+/* The classes of the candidates into groups[] (returns their count) and cand_class[]: the multiples of 8 (G = 8),
+ * then, greedily from the smallest candidate left, G = that candidate, and each other candidate left (in the
+ * caller's order) whose gcd with G is >= 2 joins, G becoming that gcd. One class of G = 1 (per element, every candidate) instead when that leaves a class of G = 1, more
+ * than PERIOD_MAX_CLASSES classes, prefixes beyond n + 1 values, or more passes than the logs they save
+ * (sum over classes of 1/4 + 1/G at least 1, in logs per element). */
+static int64_t plan_classes(int64_t n, const int64_t *cands, int64_t n_cands, int64_t *cand_class, int64_t *groups) {
+    int64_t count = 0, left = 0;
+    for (int64_t k = 0; k < n_cands; k++) {
+        cand_class[k] = cands[k] % 8 == 0 ? 0 : -1;
+        left += cand_class[k] < 0;
+    }
+    if (left < n_cands) groups[count++] = 8;
+    while (left > 0) {
+        int64_t first = -1;
+        for (int64_t k = 0; k < n_cands; k++)
+            if (cand_class[k] < 0 && (first < 0 || cands[k] < cands[first])) first = k;
+        int64_t G = cands[first];
+        if (G < 2 || count == PERIOD_MAX_CLASSES) goto per_element;
+        cand_class[first] = count;
+        left--;
+        for (int64_t k = 0; k < n_cands; k++) /* in the caller's order (ascending from Python) */
+            if (cand_class[k] < 0 && gcd64(G, cands[k]) >= 2) {
+                G = gcd64(G, cands[k]);
+                cand_class[k] = count;
+                left--;
+            }
+        groups[count++] = G;
+    }
+    {
+        int64_t values = 0;
+        double passes = 0.0;
+        for (int64_t k = 0; k < count; k++) {
+            values += n / groups[k] + 1;
+            passes += 0.25 + 1.0 / (double)groups[k];
+        }
+        if (count > 0 && values <= n + 1 && passes < 1.0) return count;
+    }
+per_element:
+    for (int64_t k = 0; k < n_cands; k++) cand_class[k] = 0;
+    groups[0] = 1;
+    return 1;
 }
 
 /* The scores of n_cands candidate periods (each dividing n with n / p >= 2) of the gradient g (n fp32 values) into
  * scores[0..n_cands) (all exactly 0 when every g_i * g_i is the same value). *nonzero is set to 1 when some
- * g_i != 0, else 0. work: n + 1 doubles of scratch, or 0 (then allocated here: a caller that searches many tensors
- * passes one buffer and saves its page faults). Returns OK, ERR_ARGS, ERR_NOMEM, ERR_NONFINITE (a NaN or an
- * infinity in g) or ERR_OVERFLOW (some g_i * g_i overflows fp32: the caller uses the reference); scores are
- * written only on OK. */
+ * g_i != 0, else 0. work: n + 1 doubles of scratch (the classes' prefixes never need more, see plan_classes), or
+ * 0 (then allocated here: a caller that searches many tensors passes one buffer and saves its page faults).
+ * Returns OK, ERR_ARGS, ERR_NOMEM, ERR_NONFINITE (a NaN or an infinity in g) or ERR_OVERFLOW (some g_i * g_i
+ * overflows fp32: the caller uses the reference); scores are written only on OK. */
 int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t n_cands, double *scores,
                         int64_t *nonzero, double *work, int64_t threads) {
     if (!g || n <= 0 || n_cands < 0 || (n_cands > 0 && (!cands || !scores)) || !nonzero) return ERR_ARGS;
     for (int64_t k = 0; k < n_cands; k++)
         if (cands[k] < 1 || n % cands[k] != 0 || n / cands[k] < 2) return ERR_ARGS;
     if (threads < 1 || n < PARALLEL_MIN_ELEMENTS) threads = 1;
-    const int64_t chunks = (n + PERIOD_CHUNK - 1) / PERIOD_CHUNK;
-    int64_t group = n_cands > 0 ? 8 : 1;
-    for (int64_t k = 0; k < n_cands; k++)
-        if (cands[k] % 8) group = 1;
-    double *P = work ? work : (double *)malloc((size_t)(n / group + 1) * sizeof(double));
+    period_ctx c;
+    memset(&c, 0, sizeof c);
+    c.g = g;
+    c.n = n;
+    c.x0 = g[0] * g[0];
+    c.avx2 = active_level() >= LEVEL_AVX2;
+    int64_t *cand_class = (int64_t *)malloc((size_t)(n_cands + 1) * sizeof(int64_t));
+    if (!cand_class) return ERR_NOMEM;
+    int64_t groups[PERIOD_MAX_CLASSES], values = 0, chunks = 0;
+    c.n_classes = plan_classes(n, cands, n_cands, cand_class, groups);
+    for (int64_t k = 0; k < c.n_classes; k++) {
+        period_class *cl = &c.cls[k];
+        cl->group = groups[k];
+        cl->runs = (cl->group + PERIOD_RUN - 1) / PERIOD_RUN;
+        cl->values = n / cl->group;
+        /* about PERIOD_CHUNK elements per chunk, the values spread evenly over the chunks (a function of n and G) */
+        const int64_t most = PERIOD_CHUNK / cl->group > 0 ? PERIOD_CHUNK / cl->group : 1;
+        cl->chunks = (cl->values + most - 1) / most;
+        cl->per = (cl->values + cl->chunks - 1) / cl->chunks;
+        cl->chunks = (cl->values + cl->per - 1) / cl->per;
+        cl->first = chunks;
+        chunks += cl->chunks;
+        values += cl->values + 1;
+    }
+    double *P = work ? work : (double *)malloc((size_t)values * sizeof(double));
     double *sums = (double *)malloc((size_t)chunks * 2 * sizeof(double));
     int *flags = (int *)calloc((size_t)chunks, sizeof(int));
-    int64_t tasks = 0; /* score tasks: the segments of every candidate */
-    for (int64_t k = 0; k < n_cands; k++) tasks += (n / cands[k] - 1 + SCORE_SEGMENT - 1) / SCORE_SEGMENT;
-    int64_t *cost = (int64_t *)malloc((size_t)(3 * tasks + 1) * sizeof(int64_t));
-    double *partial = (double *)malloc((size_t)(tasks + 1) * sizeof(double));
-    int64_t *task_cand = cost + tasks + 1, *task_seg = task_cand + tasks;
+    int64_t tasks = 0, parts = 0; /* score tasks: the ranges of every class; partial sums: those of every candidate */
+    for (int64_t k = 0; k < c.n_classes; k++) tasks += (c.cls[k].values + SCORE_RANGE - 1) / SCORE_RANGE;
+    for (int64_t i = 0; i < n_cands; i++) parts += (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
+    int64_t *cost = (int64_t *)malloc((size_t)(3 * tasks + chunks + n_cands + 2) * sizeof(int64_t));
+    double *partial = (double *)malloc((size_t)(parts + 1) * sizeof(double));
+    int64_t *task_class = cost + tasks + 1, *task_range = task_class + tasks, *chunk_cost = task_range + tasks;
+    int64_t *part_at = chunk_cost + chunks + 1;
     if (!P || !sums || !flags || !cost || !partial) {
         if (!work) free(P);
-        free(sums), free(flags), free(cost), free(partial);
+        free(sums), free(flags), free(cost), free(partial), free(cand_class);
         return ERR_NOMEM;
     }
-    period_ctx c = {g, P, n, group, sums, sums + chunks, flags, g[0] * g[0], 0.0, active_level() >= LEVEL_AVX2};
-    parallel_for_cost(chunks, threads, period_logs_task, &c, 0);
+    for (int64_t k = 0, at = 0; k < c.n_classes; k++) {
+        c.cls[k].prefix = P + at;
+        at += c.cls[k].values + 1;
+    }
+    c.chunk_sum = sums;
+    c.chunk_start = sums + chunks;
+    c.flags = flags;
+    /* a chunk's cost: its elements, plus its logs at about 4 elements' work each */
+    chunk_cost[0] = 0;
+    for (int64_t k = 0, t = 0; k < c.n_classes; k++)
+        for (int64_t u = 0; u < c.cls[k].chunks; u++, t++) {
+            const period_class *cl = &c.cls[k];
+            const int64_t len = (u + 1 < cl->chunks ? cl->per : cl->values - u * cl->per);
+            chunk_cost[t + 1] = chunk_cost[t] + len * cl->group + 4 * len * cl->runs;
+        }
+    parallel_for_cost(chunks, threads, period_logs_task, &c, chunk_cost);
     int all = 0;
     for (int64_t t = 0; t < chunks; t++) all |= flags[t];
     *nonzero = (all & 4) ? 1 : 0;
@@ -389,38 +685,48 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
     if (rc == OK && !(all & 8)) /* every x equal: every score is exactly 0 (no rounding noise may pick a period) */
         for (int64_t k = 0; k < n_cands; k++) scores[k] = 0.0;
     else if (rc == OK && n_cands > 0) {
-        double total = 0.0;
-        for (int64_t t = 0; t < chunks; t++) total += sums[t];
-        c.mean = total / (double)(n / group); /* per value: the logs of `group` elements */
-        double start = 0.0;
-        for (int64_t t = 0; t < chunks; t++) {
-            const int64_t len = ((t + 1 < chunks) ? PERIOD_CHUNK : n - t * PERIOD_CHUNK) / group;
-            c.chunk_start[t] = start;
-            start += sums[t] - (double)len * c.mean;
+        for (int64_t k = 0; k < c.n_classes; k++) {
+            const period_class *cl = &c.cls[k];
+            double total = 0.0;
+            for (int64_t t = cl->first; t < cl->first + cl->chunks; t++) total += sums[t];
+            c.mean[k] = total / (double)cl->values; /* per value: the logs of G elements (less 44 G ln2) */
+            double start = 0.0;
+            for (int64_t u = 0; u < cl->chunks; u++) {
+                const int64_t len = u + 1 < cl->chunks ? cl->per : cl->values - u * cl->per;
+                c.chunk_start[cl->first + u] = start;
+                start += sums[cl->first + u] - (double)len * c.mean[k];
+            }
+            cl->prefix[0] = 0.0;
         }
-        P[0] = 0.0;
         parallel_for_cost(chunks, threads, period_prefix_task, &c, 0);
+        for (int64_t i = 0, at = 0; i < n_cands; i++) {
+            part_at[i] = at;
+            at += (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
+        }
         int64_t t = 0;
         cost[0] = 0;
-        for (int64_t k = 0; k < n_cands; k++) {
-            const int64_t diffs = n / cands[k] - 1;
-            for (int64_t seg = 0; seg * SCORE_SEGMENT < diffs; seg++, t++) {
-                task_cand[t] = k;
-                task_seg[t] = seg;
-                cost[t + 1] = cost[t] + (diffs - seg * SCORE_SEGMENT < SCORE_SEGMENT ? diffs - seg * SCORE_SEGMENT
-                                                                                   : SCORE_SEGMENT);
+        for (int64_t k = 0; k < c.n_classes; k++) {
+            const period_class *cl = &c.cls[k];
+            double per_value = 0.0; /* differences per prefix value, over the class's candidates */
+            for (int64_t i = 0; i < n_cands; i++)
+                if (cand_class[i] == k) per_value += (double)cl->group / (double)cands[i];
+            for (int64_t u = 0; u * SCORE_RANGE < cl->values; u++, t++) {
+                task_class[t] = k;
+                task_range[t] = u;
+                cost[t + 1] = cost[t] + 1 + (int64_t)(per_value * SCORE_RANGE);
             }
         }
-        score_ctx sc = {P, cands, task_cand, task_seg, partial, n, group};
+        score_ctx sc = {&c, cands, cand_class, part_at, task_class, task_range, partial, n_cands};
         parallel_for_cost(t, threads, period_score_task, &sc, cost);
-        for (int64_t k = 0, u = 0; k < n_cands; k++) {
-            const int64_t diffs = n / cands[k] - 1;
+        for (int64_t i = 0; i < n_cands; i++) {
+            const int64_t ranges = (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
             double total = 0.0;
-            for (; u < t && task_cand[u] == k; u++) total += partial[u];
-            scores[k] = total / (double)diffs;
+            for (int64_t u = 0; u < ranges; u++) total += partial[part_at[i] + u];
+            /* the mean over the n / p - 1 differences of |D_b - D_{b-1}| / p: one division, by p (n / p - 1) */
+            scores[i] = total / (double)(cands[i] * (n / cands[i] - 1));
         }
     }
     if (!work) free(P);
-    free(sums), free(flags), free(cost), free(partial);
+    free(sums), free(flags), free(cost), free(partial), free(cand_class);
     return rc;
 }
