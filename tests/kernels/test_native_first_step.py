@@ -46,9 +46,14 @@ def partitions(draw):
 def test_native_kmeans_equals_the_numpy_reference(case) -> None:
     z, n, k, force = case
     expected = optimal_partition_centers(z, n, k, force, backend="numpy")
-    got = optimal_partition_centers(z, n, k, force, backend="native")
-    assert got.dtype == np.float64 and got.shape == (k,)
-    np.testing.assert_array_equal(got, expected)
+    try:
+        for level in _native_levels():  # the scalar rows, and AVX-512's 8 candidates per register
+            native.force_level(level)
+            got = optimal_partition_centers(z, n, k, force, backend="native")
+            assert got.dtype == np.float64 and got.shape == (k,)
+            np.testing.assert_array_equal(got, expected, err_msg=level)
+    finally:
+        native.force_level(None)
 
 
 def test_native_kmeans_full_histogram_and_bad_backend() -> None:

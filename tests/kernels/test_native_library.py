@@ -326,12 +326,15 @@ ASAN_SCRIPT = textwrap.dedent(
     # the first step's routines: the k-means layers and the histogram, on exactly sized arrays
     import numpy as np
     rng = np.random.default_rng(0)
-    for size, k in ((2, 2), (3, 2), (300, 255), (4096, 255), (600, 17)):
-        z, n = np.sort(rng.uniform(-1, 1, size)), rng.integers(1, 50, size).astype(np.float64)
-        for force in (True, False):
-            from gefen.math.codebook import optimal_partition_centers
-            optimal_partition_centers(z, n, k, force, backend="native")
-            cases += 1
+    from gefen.math.codebook import optimal_partition_centers
+    for level in levels:  # AVX-512 rows of 1..8 candidates in one register, wider ones 8 at a time with a tail
+        native.force_level(level)
+        for size, k in ((2, 2), (3, 2), (9, 2), (17, 8), (300, 255), (4096, 255), (600, 17), (1000, 3)):
+            z, n = np.sort(rng.uniform(-1, 1, size)), rng.integers(1, 50, size).astype(np.float64)
+            for force in (True, False):
+                optimal_partition_centers(z, n, k, force, backend="native")
+                cases += 1
+    native.force_level(None)
     for n, period in ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071)):
         counts = torch.zeros(4096, dtype=torch.int64)
         assert native.histogram_(counts, torch.randn(n, generator=gen), period) and int(counts.sum()) == n

@@ -12,7 +12,9 @@
  * caller's rounding slack (c0, c1) bounds how far the computed candidates can stray from a Monge array, and with
  * tol = 8 (c0 + c1 max|F[c-1]|) every candidate outside [L of the nearest solved row above, R of the nearest solved
  * row below] is provably worse than the row's minimum (see gefen.math.codebook._Layer). So the minima and the
- * first arg-minima equal the plain O(k A^2) scan's, near-ties included, in O(k A log A) evaluations.
+ * first arg-minima equal the plain O(k A^2) scan's, near-ties included, in O(k A log A) evaluations. The recursion
+ * is taken breadth first (the rows of one depth are independent, so their solves overlap in the CPU), and with
+ * AVX-512 a row's candidates are evaluated eight at a time (a window of at most 8 in one register).
  */
 
 typedef struct {
@@ -20,11 +22,12 @@ typedef struct {
     const double *F_prev;    /* (rows,) */
     double *F;               /* (rows,) this layer */
     int32_t *L, *R, *arg;    /* (rows,) window ends and first arg-min */
-    double *scratch;         /* (2, rows) candidate values of one row, one buffer per half of a layer */
+    double *scratch;         /* (2, rows + 8) candidate values of one row, one buffer per half of a layer */
     int64_t c;               /* cluster index (1-based), 2 <= c <= k - 1 */
     int64_t rows;
-    int avx2;                /* the CPU has AVX2 */
+    int avx2, avx512;        /* the CPU has AVX2, AVX-512 */
     double tol;
+    int32_t *segs;           /* (2, 8 (rows + 2)): each half's segment lists (see dp_rows) */
 } dp_layer;
 
 #if GEFEN_X86
@@ -75,14 +78,114 @@ static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi, double
     ly->R[j] = (int32_t)last;
 }
 
-/* Rows a..b, whose arg-minima lie in [lo, hi] (row j also needs i <= j). */
-static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_t hi, double *scratch) {
-    while (a <= b) {
-        const int64_t mid = (a + b) / 2;
-        dp_row(ly, mid, lo, hi < mid ? hi : mid, scratch);
-        dp_rows(ly, a, mid - 1, lo, ly->R[mid], scratch);
-        a = mid + 1; /* the lower half iteratively: depth stays log2(rows) */
-        lo = ly->L[mid];
+#if GEFEN_X86
+#define T512D __attribute__((target("avx512f,avx512dq")))
+/* The candidates lo + 8t .. lo + 8t + 7 of row j (lanes past hi: +inf), with the same operations as dp_row. */
+T512D static inline __m512d dp_values8(const dp_layer *ly, int64_t e, int64_t i, __mmask8 valid) {
+    const int64_t base = ly->c - 1 + i; /* masked lanes read nothing, and see w = W[e] > 0 */
+    const __m512d w = _mm512_sub_pd(_mm512_set1_pd(ly->W[e]), _mm512_maskz_loadu_pd(valid, ly->W + base));
+    const __m512d x = _mm512_sub_pd(_mm512_set1_pd(ly->X[e]), _mm512_maskz_loadu_pd(valid, ly->X + base));
+    const __m512d q = _mm512_sub_pd(_mm512_set1_pd(ly->Q[e]), _mm512_maskz_loadu_pd(valid, ly->Q + base));
+    const __m512d cost = _mm512_sub_pd(q, _mm512_div_pd(_mm512_mul_pd(x, x), w));
+    return _mm512_mask_blend_pd(valid, _mm512_set1_pd(INFINITY),
+                                _mm512_add_pd(_mm512_maskz_loadu_pd(valid, ly->F_prev + i), cost));
+}
+
+static inline __mmask8 lanes_upto(int64_t n) { return (__mmask8)(n >= 8 ? 0xFFu : (1u << n) - 1u); }
+
+/* dp_row with 8 candidates per vector: the same values, minimum (the first minimal candidate's value), first
+ * arg-min and tolerance window. A window of at most 8 stays in one register. */
+T512D static void dp_row512(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi, double *scratch) {
+    const int64_t e = ly->c + j, n = hi - lo + 1;
+    int64_t best, first, last;
+    double m;
+    if (n <= 8) {
+        const __mmask8 valid = lanes_upto(n);
+        const __m512d v = dp_values8(ly, e, lo, valid);
+        const double low = _mm512_reduce_min_pd(v);
+        const unsigned at = (unsigned)__builtin_ctz((unsigned)_mm512_cmp_pd_mask(v, _mm512_set1_pd(low), _CMP_EQ_OQ));
+        double lanes[8];
+        _mm512_storeu_pd(lanes, v);
+        m = lanes[at];
+        const unsigned near =
+            (unsigned)_mm512_cmp_pd_mask(v, _mm512_set1_pd(m + ly->tol), _CMP_LE_OQ) & (unsigned)valid;
+        best = lo + at;
+        first = lo + __builtin_ctz(near);
+        last = lo + 31 - __builtin_clz(near);
+    } else {
+        const int64_t chunks = (n + 7) / 8;
+        __m512d low = _mm512_set1_pd(INFINITY);
+        for (int64_t t = 0; t < chunks; t++) {
+            const __m512d v = dp_values8(ly, e, lo + 8 * t, lanes_upto(n - 8 * t));
+            _mm512_storeu_pd(scratch + 8 * t, v); /* scratch: 8 * chunks doubles, +inf past the window */
+            low = _mm512_min_pd(low, v);
+        }
+        const __m512d vm = _mm512_set1_pd(_mm512_reduce_min_pd(low));
+        int64_t t = 0;
+        unsigned hit = 0;
+        for (; t < chunks; t++)
+            if ((hit = (unsigned)_mm512_cmp_pd_mask(_mm512_loadu_pd(scratch + 8 * t), vm, _CMP_EQ_OQ))) break;
+        best = lo + 8 * t + __builtin_ctz(hit);
+        m = scratch[best - lo];
+        const __m512d limit = _mm512_set1_pd(m + ly->tol);
+        for (t = 0; t < chunks; t++) /* the minimum's own chunk at the latest */
+            if ((hit = (unsigned)_mm512_cmp_pd_mask(_mm512_loadu_pd(scratch + 8 * t), limit, _CMP_LE_OQ))) break;
+        first = lo + 8 * t + __builtin_ctz(hit);
+        for (t = chunks - 1; t >= 0; t--) /* +inf lanes never pass */
+            if ((hit = (unsigned)_mm512_cmp_pd_mask(_mm512_loadu_pd(scratch + 8 * t), limit, _CMP_LE_OQ))) break;
+        last = lo + 8 * t + 31 - __builtin_clz(hit);
+    }
+    ly->F[j] = m;
+    ly->arg[j] = (int32_t)best;
+    ly->L[j] = (int32_t)first;
+    ly->R[j] = (int32_t)last;
+}
+#endif
+
+/* dp_row in whichever form fits the window. */
+static void dp_solve(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi, double *scratch) {
+#if GEFEN_X86
+    if (ly->avx512) {
+        dp_row512(ly, j, lo, hi, scratch);
+        return;
+    }
+#endif
+    dp_row(ly, j, lo, hi, scratch);
+}
+
+/* Rows a..b, whose arg-minima lie in [lo, hi] (row j also needs i <= j), by divide and conquer taken breadth first:
+ * the rows of one depth do not depend on each other (their windows come from rows of shallower depths), so the CPU
+ * overlaps their solves instead of waiting for each window. Every row gets the window the depth-first recursion
+ * gives it, so the results are the same. segs: room for 2 (rows + 2) segments of 4 int32 (a, b, lo, hi). */
+static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_t hi, double *scratch, int32_t *segs) {
+    int32_t *cur = segs, *next = segs + 4 * (ly->rows + 2);
+    int64_t n = 0;
+    if (a <= b) {
+        cur[0] = (int32_t)a, cur[1] = (int32_t)b, cur[2] = (int32_t)lo, cur[3] = (int32_t)hi;
+        n = 1;
+    }
+    while (n > 0) {
+        for (int64_t s = 0; s < n; s++) {
+            const int64_t mid = ((int64_t)cur[4 * s] + cur[4 * s + 1]) / 2, top = cur[4 * s + 3];
+            dp_solve(ly, mid, cur[4 * s + 2], top < mid ? top : mid, scratch);
+        }
+        int64_t m = 0;
+        for (int64_t s = 0; s < n; s++) {
+            const int32_t sa = cur[4 * s], sb = cur[4 * s + 1], slo = cur[4 * s + 2], shi = cur[4 * s + 3];
+            const int32_t mid = (int32_t)(((int64_t)sa + sb) / 2);
+            if (sa <= mid - 1) {
+                next[4 * m] = sa, next[4 * m + 1] = mid - 1, next[4 * m + 2] = slo, next[4 * m + 3] = ly->R[mid];
+                m++;
+            }
+            if (mid + 1 <= sb) {
+                next[4 * m] = mid + 1, next[4 * m + 1] = sb, next[4 * m + 2] = ly->L[mid], next[4 * m + 3] = shi;
+                m++;
+            }
+        }
+        int32_t *t = cur;
+        cur = next;
+        next = t;
+        n = m;
     }
 }
 
@@ -92,18 +195,19 @@ static void dp_half_task(const void *ctx_, int64_t half, int64_t thread) {
     (void)thread;
     const dp_layer *ly = (const dp_layer *)ctx_;
     const int64_t rows = ly->rows, mid = (rows - 1) / 2;
-    double *scratch = ly->scratch + half * rows;
-    if (half == 0) dp_rows(ly, 0, mid - 1, 0, ly->R[mid], scratch);
-    else dp_rows(ly, mid + 1, rows - 1, ly->L[mid], rows - 1, scratch);
+    double *scratch = ly->scratch + half * (rows + 8);
+    int32_t *segs = ly->segs + half * 8 * (rows + 2);
+    if (half == 0) dp_rows(ly, 0, mid - 1, 0, ly->R[mid], scratch, segs);
+    else dp_rows(ly, mid + 1, rows - 1, ly->L[mid], rows - 1, scratch, segs);
 }
 
 static void dp_layer_rows(const dp_layer *ly, int64_t threads) {
     const int64_t rows = ly->rows, mid = (rows - 1) / 2;
     if (threads < 2 || rows < 512) {
-        dp_rows(ly, 0, rows - 1, 0, rows - 1, ly->scratch);
+        dp_rows(ly, 0, rows - 1, 0, rows - 1, ly->scratch, ly->segs);
         return;
     }
-    dp_row(ly, mid, 0, mid, ly->scratch);
+    dp_solve(ly, mid, 0, mid, ly->scratch);
     parallel_for_cost(2, 2, dp_half_task, ly, 0);
 }
 
@@ -122,23 +226,26 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     const int64_t rows = A - k + 1;
     double *F = (double *)malloc((size_t)rows * sizeof(double));
     double *G = (double *)malloc((size_t)rows * sizeof(double));
-    double *scratch = (double *)malloc((size_t)rows * 2 * sizeof(double));
+    double *scratch = (double *)malloc((size_t)(rows + 8) * 2 * sizeof(double)); /* per half: rows + 8 */
     double *out = (double *)malloc((size_t)k * sizeof(double));
     int32_t *L = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
     int32_t *R = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
+    int32_t *segs = (int32_t *)malloc((size_t)(rows + 2) * 16 * sizeof(int32_t));
     int32_t *args = (int32_t *)malloc((size_t)rows * (size_t)k * sizeof(int32_t)); /* row c: layer c's arg-min */
-    if (!F || !G || !scratch || !out || !L || !R || !args) {
-        free(F), free(G), free(scratch), free(out), free(L), free(R), free(args);
+    if (!F || !G || !scratch || !out || !L || !R || !segs || !args) {
+        free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args);
         return ERR_NOMEM;
     }
     const int pin = force_endpoints ? 1 : 0, avx2 = active_level() >= LEVEL_AVX2;
+    const int avx512 = active_level() >= LEVEL_AVX512;
     for (int64_t j = 0; j < rows; j++) /* cluster 1 ends at e = 1 + j */
         F[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
     for (int64_t c = 2; c < k; c++) {
         double most = 0.0;
         for (int64_t j = 0; j < rows; j++)
             if (fabs(F[j]) > most) most = fabs(F[j]);
-        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, rows, avx2, 8.0 * (slack0 + slack1 * most)};
+        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, rows, avx2, avx512,
+                       8.0 * (slack0 + slack1 * most), segs};
         dp_layer_rows(&ly, threads);
         double *t = F;
         F = G;
@@ -160,7 +267,7 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     }
     out[0] = pin ? -1.0 : (X[1 + i] - X[0]) / (W[1 + i] - W[0]);
     memcpy(centres, out, (size_t)k * sizeof(double)); /* ascending by construction; the caller sorts anyway */
-    free(F), free(G), free(scratch), free(out), free(L), free(R), free(args);
+    free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args);
     return OK;
 }
 
