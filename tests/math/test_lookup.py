@@ -40,6 +40,40 @@ CODEBOOKS = {
 }
 
 
+def _thresholds_by_torch_bisection(codebook: torch.Tensor) -> torch.Tensor:
+    """t_k = max{u : nearest_code(u) <= k} by bisection over ordered fp32 bit patterns, with torch's nearest_code."""
+
+    def key(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int32).to(torch.int64)
+        return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+
+    def value(k: torch.Tensor) -> torch.Tensor:
+        bits = torch.where(k >= 0, k, (-k) | 0x80000000)
+        return bits.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32).view(torch.float32)
+
+    n = codebook.numel()
+    lo, hi = key(torch.tensor([-1.0])).expand(n - 1).clone(), key(torch.tensor([1.0])).expand(n - 1).clone()
+    ks = torch.arange(n - 1)
+    for _ in range(33):
+        mid = (lo + hi + 1) // 2
+        ok = nearest_code(value(mid), codebook) <= ks
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid - 1)
+    return value(lo)
+
+
+@pytest.mark.parametrize("name", sorted(CODEBOOKS))
+def test_thresholds_are_the_largest_inputs_of_each_code_by_the_reference_rule(name):
+    codebook = CODEBOOKS[name]()
+    table = build_nearest_table(codebook)
+    thresholds = table.thresholds[: codebook.numel() - 1]
+    assert torch.equal(thresholds, _thresholds_by_torch_bisection(codebook))
+    ks = torch.arange(codebook.numel() - 1)
+    assert (nearest_code(thresholds, codebook) <= ks).all()
+    inside = thresholds < 1.0  # one fp32 step above t_k maps past k
+    above = torch.nextafter(thresholds[inside], torch.tensor(2.0))
+    assert (nearest_code(above, codebook) > ks[inside]).all()
+
+
 @pytest.mark.parametrize("name", sorted(CODEBOOKS))
 def test_fast_search_equals_reference_rule_on_hard_inputs(name):
     codebook = CODEBOOKS[name]()

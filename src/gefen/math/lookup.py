@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
-
-from gefen.math.codebook import nearest_code
 
 __all__ = ["LOOKUP_BUCKETS", "NearestCodeTable", "build_nearest_table", "nearest_code_fast", "gather"]
 
@@ -49,17 +48,6 @@ def _bucket(v: Tensor) -> Tensor:
     return (v + 1.0).mul_(LOOKUP_BUCKETS / 2).to(torch.int32).clamp_(0, LOOKUP_BUCKETS - 1)
 
 
-def _ordered_key(x: Tensor) -> Tensor:
-    """Map fp32 values to int64 keys with the same order (adjacent floats -> adjacent keys)."""
-    bits = x.view(torch.int32).to(torch.int64)
-    return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
-
-
-def _from_key(key: Tensor) -> Tensor:
-    bits = torch.where(key >= 0, key, (-key) | 0x80000000)
-    return bits.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32).view(torch.float32)
-
-
 @torch.no_grad()
 def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     """Exact thresholds and bucket table of a codebook.
@@ -74,15 +62,7 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     """
     cpu = codebook.detach().to("cpu", torch.float32).contiguous()
     k = cpu.numel()
-    lo = _ordered_key(torch.tensor([-1.0])).expand(k - 1).clone()  # nearest(lo) <= k holds for every k
-    hi = _ordered_key(torch.tensor([1.0])).expand(k - 1).clone()
-    ks = torch.arange(k - 1)
-    for _ in range(33):  # bisection over ~2**31 keys: lo always satisfies, hi may not
-        mid = (lo + hi + 1) // 2
-        ok = nearest_code(_from_key(mid), cpu) <= ks
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid - 1)
-    thresholds = _from_key(lo)
+    thresholds = torch.from_numpy(_thresholds(cpu.numpy()))
     counts = torch.bincount(_bucket(thresholds).to(torch.int64), minlength=LOOKUP_BUCKETS)
     lut = torch.zeros(LOOKUP_BUCKETS + 1, dtype=torch.int32)
     lut[1:] = torch.cumsum(counts, 0).to(torch.int32)
@@ -92,6 +72,42 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     padded = torch.cat([thresholds, torch.full((steps,), float("inf"))])
     dev = codebook.device
     return NearestCodeTable(padded.to(dev), lut.to(dev), steps, codebook.detach().to(torch.float32))
+
+
+def _nearest_np(u: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    """:func:`gefen.math.codebook.nearest_code` in numpy (the same lower bound and float32 distance comparison,
+    ties to the lower index): the bisection below calls it 33 times on K - 1 values, where torch's per-call cost
+    would dominate."""
+    r = np.minimum(np.searchsorted(codebook, u, side="left"), codebook.size - 1)
+    left = np.maximum(r - 1, 0)
+    return np.where(np.abs(u - codebook[left]) <= np.abs(u - codebook[r]), left, r)
+
+
+def _thresholds(codebook: np.ndarray) -> np.ndarray:
+    """``t_k = max{u in [-1, 1] : nearest(u) <= k}`` for ``k < K - 1`` (float32), by bisection over the ordered
+    float32 bit patterns (keys): ``nearest(key -> u)`` is monotone in the key, ``lo`` always satisfies the bound."""
+    k = codebook.size
+    lo = np.full(k - 1, _key_np(np.float32(-1.0)), dtype=np.int64)
+    hi = np.full(k - 1, _key_np(np.float32(1.0)), dtype=np.int64)
+    ks = np.arange(k - 1)
+    for _ in range(33):  # bisection over ~2**31 keys
+        mid = (lo + hi + 1) // 2
+        ok = _nearest_np(_float_np(mid), codebook) <= ks
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid - 1)
+    return _float_np(lo)
+
+
+def _key_np(x: np.float32) -> int:
+    """The ordered key of a float32 value: same order as the values, adjacent floats at adjacent keys."""
+    bits = int(np.array(x, dtype=np.float32).view(np.int32))
+    return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
+
+
+def _float_np(key: np.ndarray) -> np.ndarray:
+    """Inverse of the key map (:func:`_key_np`: adjacent floats -> adjacent keys): int64 keys -> float32."""
+    bits = np.where(key >= 0, key, (-key) | 0x80000000).astype(np.int64) & 0xFFFFFFFF
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def nearest_code_fast(u: Tensor, table: NearestCodeTable) -> Tensor:
