@@ -74,8 +74,9 @@ static inline double sum8(const double lanes[8]) {
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-/* The per-element path (G = 1). Logs of elements [i0, i1) into out[i0 + 1 ..] and their sum: the whole groups of 8 in 8 lanes (lane k takes the
- * elements i0 + j with j % 8 == k, in order), the lanes added as sum8, then the rest one by one (logs_tail). */
+/* The per-element path (G = 1). Logs of elements [i0, i1) into out[i0 + 1 ..] and their sum: the whole groups of
+ * 8 in 8 lanes (lane k takes the elements i0 + j with j % 8 == k, in order), the lanes added as sum8, then the rest
+ * one by one (logs_tail). */
 static double logs_scalar(const float *g, double *out, int64_t i0, int64_t i1, float x0, int *flags) {
     double lanes[8] = {0};
     const int64_t full = i0 + ((i1 - i0) & ~(int64_t)7);
@@ -91,8 +92,8 @@ static double logs_scalar(const float *g, double *out, int64_t i0, int64_t i1, f
 __attribute__((target("avx2,fma"))) static inline __m256d ln_positive4(__m256d x) {
     const __m256i bits = _mm256_castpd_si256(x);
     const __m256d two52 = _mm256_castsi256_pd(_mm256_set1_epi64x(0x4330000000000000LL));
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(bits, 52), _mm256_castpd_si256(two52))),
-                              two52); /* the biased exponent as a double, exactly */
+    const __m256i biased = _mm256_or_si256(_mm256_srli_epi64(bits, 52), _mm256_castpd_si256(two52));
+    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(biased), two52); /* the biased exponent as a double, exactly */
     e = _mm256_sub_pd(e, _mm256_set1_pd(1023.0));
     __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
                                                     _mm256_set1_epi64x(0x3ff0000000000000LL)));
@@ -277,8 +278,8 @@ __attribute__((target("avx2,fma"))) static void ln_array_avx2(const double *in, 
 }
 
 /* Groups of 8 straight from g (one run per group: lane k of a group is y'_k y'_{k + 4}): the products of up to
- * 64 groups, four per iteration, into out, then their logs in place; the last (j1 - j0) % 4 groups in scalar; returns 0 (values unusable) when a value is not finite or
- * squares to an overflow, else 1. */
+ * 64 groups, four per iteration, into out, then their logs in place; the last (j1 - j0) % 4 groups in scalar.
+ * Returns 0 (values unusable) when a value is not finite or squares to an overflow, else 1. */
 __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, double *out, int64_t j0, int64_t j1,
                                                            float x0, int *flags) {
     const __m256 vx0 = _mm256_set1_ps(x0);
@@ -336,8 +337,8 @@ __attribute__((target("avx2,fma"))) static inline __m256d run_lanes(const double
 
 /* groups_scalar for any G >= 2: pieces of whole runs (at most PERIOD_PIECE elements) are squared, checked and
  * scaled 8 at a time into a buffer, then their runs' products taken four runs at a time (the last runs of a
- * piece in scalar), then their logs (ln_array_avx2), then the values (each group's logs added in order). Returns 0 (values unusable) when a value is not finite or squares to an overflow,
- * else 1. */
+ * piece in scalar), then their logs (ln_array_avx2), then the values (each group's logs added in order).
+ * Returns 0 (values unusable) when a value is not finite or squares to an overflow, else 1. */
 __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const period_class *c, int64_t j0,
                                                            int64_t j1, float x0, int *flags) {
     double y[PERIOD_PIECE + 16]; /* + 16: run_lanes reads 12 from the last run's start */
@@ -570,8 +571,9 @@ static int64_t gcd64(int64_t a, int64_t b) {
 
 /* The classes of the candidates into groups[] (returns their count) and cand_class[]: the multiples of 8 (G = 8),
  * then, greedily from the smallest candidate left, G = that candidate, and each other candidate left (in the
- * caller's order) whose gcd with G is >= 2 joins, G becoming that gcd. One class of G = 1 (per element, every candidate) instead when that leaves a class of G = 1, more
- * than PERIOD_MAX_CLASSES classes, prefixes beyond n + 1 values, or more passes than the logs they save
+ * caller's order) whose gcd with G is >= 2 joins, G becoming that gcd. One class of G = 1 (per element, every
+ * candidate) instead when that leaves a class of G = 1, more than PERIOD_MAX_CLASSES classes, prefixes beyond
+ * n + 1 values, or more passes than the logs they save
  * (sum over classes of 1/4 + 1/G at least 1, in logs per element). */
 static int64_t plan_classes(int64_t n, const int64_t *cands, int64_t n_cands, int64_t *cand_class, int64_t *groups) {
     int64_t count = 0, left = 0;
