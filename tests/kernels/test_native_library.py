@@ -334,6 +334,13 @@ ASAN_SCRIPT = textwrap.dedent(
             for force in (True, False):
                 optimal_partition_centers(z, n, k, force, backend="native")
                 cases += 1
+        # prefix sums that overflowed (the Python entry refuses these; the library must still stay in bounds)
+        prefix = np.cumsum(np.stack([np.full(600, 1e306), np.linspace(-1e306, 1e306, 600), np.full(600, 1e306)]),
+                           axis=1)
+        prefix = np.concatenate([np.zeros((3, 1)), prefix], axis=1)
+        for k in (2, 17, 255):
+            native.kmeans_centres(prefix, k, False, (1e-16, 1e-16))
+            cases += 1
     native.force_level(None)
     for n, period in ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071)):
         counts = torch.zeros(4096, dtype=torch.int64)

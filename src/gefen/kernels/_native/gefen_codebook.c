@@ -99,9 +99,17 @@ T512D static void dp_row512(const dp_layer *ly, int64_t j, int64_t lo, int64_t h
     const int64_t e = ly->c + j, n = hi - lo + 1;
     int64_t best, first, last;
     double m;
+    if (n <= 0) { /* an empty window (only after a NaN, see below): the scalar rule */
+        dp_row(ly, j, lo, hi, scratch);
+        return;
+    }
     if (n <= 8) {
         const __mmask8 valid = lanes_upto(n);
         const __m512d v = dp_values8(ly, e, lo, valid);
+        if (_mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q)) { /* a NaN (prefix sums overflowed): the scalar rule */
+            dp_row(ly, j, lo, hi, scratch);
+            return;
+        }
         const double low = _mm512_reduce_min_pd(v);
         const unsigned at = (unsigned)__builtin_ctz((unsigned)_mm512_cmp_pd_mask(v, _mm512_set1_pd(low), _CMP_EQ_OQ));
         double lanes[8];
@@ -115,10 +123,16 @@ T512D static void dp_row512(const dp_layer *ly, int64_t j, int64_t lo, int64_t h
     } else {
         const int64_t chunks = (n + 7) / 8;
         __m512d low = _mm512_set1_pd(INFINITY);
+        __mmask8 nan = 0;
         for (int64_t t = 0; t < chunks; t++) {
             const __m512d v = dp_values8(ly, e, lo + 8 * t, lanes_upto(n - 8 * t));
             _mm512_storeu_pd(scratch + 8 * t, v); /* scratch: 8 * chunks doubles, +inf past the window */
             low = _mm512_min_pd(low, v);
+            nan |= _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
+        }
+        if (nan) { /* a NaN (prefix sums overflowed): the scalar rule */
+            dp_row(ly, j, lo, hi, scratch);
+            return;
         }
         const __m512d vm = _mm512_set1_pd(_mm512_reduce_min_pd(low));
         int64_t t = 0;
