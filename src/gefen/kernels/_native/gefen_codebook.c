@@ -145,8 +145,10 @@ T512D static void dp_row512(const dp_layer *ly, int64_t j, int64_t lo, int64_t h
         for (t = 0; t < chunks; t++) /* the minimum's own chunk at the latest */
             if ((hit = (unsigned)_mm512_cmp_pd_mask(_mm512_loadu_pd(scratch + 8 * t), limit, _CMP_LE_OQ))) break;
         first = lo + 8 * t + __builtin_ctz(hit);
-        for (t = chunks - 1; t >= 0; t--) /* +inf lanes never pass */
-            if ((hit = (unsigned)_mm512_cmp_pd_mask(_mm512_loadu_pd(scratch + 8 * t), limit, _CMP_LE_OQ))) break;
+        for (t = chunks - 1; t >= 0; t--) /* the lanes past the window never count (even if the limit is +inf) */
+            if ((hit = (unsigned)_mm512_mask_cmp_pd_mask(lanes_upto(n - 8 * t), _mm512_loadu_pd(scratch + 8 * t),
+                                                         limit, _CMP_LE_OQ)))
+                break;
         last = lo + 8 * t + 31 - __builtin_clz(hit);
     }
     ly->F[j] = m;
