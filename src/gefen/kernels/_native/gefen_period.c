@@ -196,6 +196,17 @@ typedef struct {
     int avx2;
 } period_ctx;
 
+/* The class of chunk t (among the chunks of all classes) and the range [*v0, *v1) of its values that the chunk
+ * holds. */
+static int64_t chunk_class(const period_ctx *c, int64_t t, int64_t *v0, int64_t *v1) {
+    int64_t k = 0;
+    while (k + 1 < c->n_classes && t >= c->cls[k + 1].first) k++;
+    const period_class *cl = &c->cls[k];
+    *v0 = (t - cl->first) * cl->per;
+    *v1 = *v0 + cl->per < cl->values ? *v0 + cl->per : cl->values;
+    return k;
+}
+
 static inline void element_flags(float gi, float x, float x0, int *flags) {
     if (!(fabsf(gi) <= 3.4028234663852886e38f)) *flags |= 1;
     else if (!(x <= 3.4028234663852886e38f)) *flags |= 2;
@@ -418,10 +429,8 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
 static void period_logs_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
-    int64_t k = 0;
-    while (k + 1 < c->n_classes && t >= c->cls[k + 1].first) k++;
-    const period_class *cl = &c->cls[k];
-    const int64_t j0 = (t - cl->first) * cl->per, j1 = j0 + cl->per < cl->values ? j0 + cl->per : cl->values;
+    int64_t j0, j1;
+    const period_class *cl = &c->cls[chunk_class(c, t, &j0, &j1)];
     int flags = 0;
     if (cl->group == 1) {
 #if GEFEN_X86
@@ -479,10 +488,9 @@ __attribute__((target("avx2"))) static int64_t prefix4_avx2(double *P, int64_t i
 static void period_prefix_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const period_ctx *c = (const period_ctx *)ctx_;
-    int64_t k = 0;
-    while (k + 1 < c->n_classes && t >= c->cls[k + 1].first) k++;
+    int64_t i0, i1;
+    const int64_t k = chunk_class(c, t, &i0, &i1);
     const period_class *cl = &c->cls[k];
-    const int64_t i0 = (t - cl->first) * cl->per, i1 = i0 + cl->per < cl->values ? i0 + cl->per : cl->values;
     double *P = cl->prefix, run = c->chunk_start[t];
     const double mean = c->mean[k];
     int64_t i = i0;
