@@ -290,15 +290,30 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
 /* ------------------------------------------------------------------ the codebook histogram (algorithm.md 4.2) */
 /* Per block of `period` elements: a = max|g| (1 where a = 0), u = g / a in fp32, bin = clamp(floor((u + 1) * 2048),
  * 0, 4095), as gefen.math.codebook.accumulate_histogram_ computes it. Integer counts: any order gives the same sum. */
-#define HIST_COPIES 4
+/* Per thread: uint32 counts (16 KiB, in the L1 cache; one copy: the bins of a peaked distribution are spread over
+ * ~1000s of bins, so interleaved copies only add cache misses), moved into int64 totals before any could wrap. */
+#ifndef HIST_FLUSH_ELEMENTS /* the sanitizer test builds with a small one, so that the move is exercised */
+#define HIST_FLUSH_ELEMENTS ((int64_t)1 << 30)
+#endif
+
+typedef struct {
+    uint32_t small[4096];
+    int64_t total[4096];
+    int64_t pending; /* elements counted in small since its last move into total */
+    int bad;         /* a non-finite value was seen */
+} hist_counts;
 
 typedef struct {
     const float *g;
     int64_t period, blocks_per_task, blocks;
-    int64_t *partial; /* (threads, HIST_COPIES, 4096) */
-    int *bad;         /* (threads,) a non-finite value was seen */
+    hist_counts *partial; /* (threads,) */
     int avx2;
 } hist_ctx;
+
+static void hist_flush(hist_counts *c) {
+    for (int k = 0; k < 4096; k++) c->total[k] += c->small[k], c->small[k] = 0;
+    c->pending = 0;
+}
 
 #if GEFEN_X86
 __attribute__((target("avx2"))) static int64_t hist_bins_avx2(const float *x, int64_t n, float a, int32_t *bins) {
@@ -352,9 +367,8 @@ static int hist_max_scalar(const float *x, int64_t n, float *a) {
 
 static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
     const hist_ctx *h = (const hist_ctx *)ctx_;
-    /* HIST_COPIES interleaved copies of the counts: runs of equal bins (the centre of a peaked distribution)
-     * would otherwise chain every increment through the same memory word */
-    int64_t *counts = h->partial + thread * HIST_COPIES * 4096;
+    hist_counts *c = h->partial + thread;
+    uint32_t *counts = c->small;
     int32_t bins[1024];
     int64_t b0 = task * h->blocks_per_task, b1 = b0 + h->blocks_per_task;
     if (b1 > h->blocks) b1 = h->blocks;
@@ -367,12 +381,14 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
         const int finite = hist_max_scalar(x, h->period, &a);
 #endif
         if (!finite) {
-            h->bad[thread] = 1;
+            c->bad = 1;
             return;
         }
         if (!(a > 0.0f)) a = 1.0f;
         for (int64_t j = 0; j < h->period; j += 1024) {
             const int64_t n = h->period - j < 1024 ? h->period - j : 1024;
+            if (c->pending + n > HIST_FLUSH_ELEMENTS) hist_flush(c);
+            c->pending += n;
             int64_t i = 0;
 #if GEFEN_X86
             if (h->avx2) i = hist_bins_avx2(x + j, n, a, bins);
@@ -381,13 +397,7 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
                 float t = (x[j + i] / a + 1.0f) * 2048.0f;
                 bins[i] = t < 4095.0f ? (int32_t)t : 4095;
             }
-            for (i = 0; i + 4 <= n; i += 4) {
-                counts[bins[i]]++;
-                counts[4096 + bins[i + 1]]++;
-                counts[2 * 4096 + bins[i + 2]]++;
-                counts[3 * 4096 + bins[i + 3]]++;
-            }
-            for (; i < n; i++) counts[bins[i]]++;
+            for (i = 0; i < n; i++) counts[bins[i]]++;
         }
     }
 }
@@ -397,23 +407,19 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
 int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *counts, int64_t threads) {
     if (!g || !counts || numel <= 0 || period <= 0 || numel % period != 0) return ERR_ARGS;
     if (threads < 1 || numel < PARALLEL_MIN_ELEMENTS) threads = 1;
-    int64_t *partial = (int64_t *)calloc((size_t)threads * HIST_COPIES * 4096, sizeof(int64_t));
-    int *bad = (int *)calloc((size_t)threads, sizeof(int));
-    if (!partial || !bad) {
-        free(partial), free(bad);
-        return ERR_NOMEM;
-    }
+    hist_counts *partial = (hist_counts *)calloc((size_t)threads, sizeof(hist_counts));
+    if (!partial) return ERR_NOMEM;
     const int64_t blocks = numel / period;
     int64_t per_task = TASK_ELEMENTS / period;
     if (per_task < 1) per_task = 1;
-    hist_ctx h = {g, period, per_task, blocks, partial, bad, active_level() >= LEVEL_AVX2};
+    hist_ctx h = {g, period, per_task, blocks, partial, active_level() >= LEVEL_AVX2};
     parallel_for_cost((blocks + per_task - 1) / per_task, threads, hist_task, &h, 0);
     int rc = OK;
     for (int64_t t = 0; t < threads; t++)
-        if (bad[t]) rc = ERR_ARGS;
+        if (partial[t].bad) rc = ERR_ARGS;
     if (rc == OK)
         for (int64_t t = 0; t < threads; t++)
-            for (int64_t k = 0; k < HIST_COPIES * 4096; k++) counts[k % 4096] += partial[t * HIST_COPIES * 4096 + k];
-    free(partial), free(bad);
+            for (int k = 0; k < 4096; k++) counts[k] += partial[t].total[k] + partial[t].small[k];
+    free(partial);
     return rc;
 }
