@@ -105,6 +105,29 @@ def test_native_histogram_refuses_non_finite_values_untouched(bad) -> None:
     assert native.histogram_(counts, g, 64) is False
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_native_histogram_bound_refuses_exactly_the_values_beyond_it(sign) -> None:
+    """``bound`` follows the preflight's rule (:func:`gefen.amp.unusable_names`): ``|g| <= bound`` in fp32 passes,
+    the next fp32 above it is refused with the counts untouched, and a refused call adds nothing."""
+    import gefen.amp
+
+    g = torch.randn(200_000)
+    bound = native.as_float32(gefen.amp.usable_bound(g.numel()))
+    g[77_777] = sign * bound
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    assert native.histogram_(counts, g, 64, gefen.amp.usable_bound(g.numel()))
+    assert gefen.amp.unusable_names([("g", g)]) == []
+    assert torch.equal(counts, _torch_histogram(g, 64))
+    g[77_777] = sign * torch.nextafter(torch.tensor(bound), torch.tensor(float("inf"))).item()
+    assert gefen.amp.unusable_names([("g", g)]) == ["g"]
+    before = counts.clone()
+    assert native.histogram_(counts, g, 64, gefen.amp.usable_bound(g.numel())) is False
+    assert torch.equal(counts, before)
+    assert native.histogram_(counts, g, 64)  # no bound: finite values are counted
+    with pytest.raises(RuntimeError, match="bound"):
+        native.histogram_(counts, g, 64, float("nan"))
+
+
 def _plain_scores(x: torch.Tensor, candidates: list[int]) -> list[float]:
     """algorithm.md §3.2 step 3 written as the plain chain of fresh tensors."""
     logs = torch.log(x.reshape(-1).to(torch.float64) + 1e-12)

@@ -239,6 +239,72 @@ def test_the_native_step_applies_the_policy_itself_with_no_gradient_read_before_
     assert opt.skipped_steps == (2 if policy == "skip" else 0)
 
 
+@pytest.mark.skipif(not gefen.kernels.native.native_status().available, reason="needs the native library")
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize("value", ["nan", "inf", "above_bound"])
+def test_the_first_step_checks_its_gradients_in_the_histogram_with_no_read_before_it(monkeypatch, policy, value):
+    """A first CPU step leaves the check of its fp32 gradients to the codebook histogram (which reads them anyway)
+    and to the period search before it: the preflight reads none of them, and the step refuses the same gradients
+    the preflight would (NaN, Inf, a finite value beyond :func:`gefen.amp.usable_bound`), naming them in step order,
+    with nothing learned or changed; the next clean step is the first step of a fresh optimizer."""
+    import gefen.optim._base as base
+
+    reads = []
+    checked = base.unusable_names
+    monkeypatch.setattr(base, "unusable_names", lambda named: reads.append([n for n, _ in named]) or checked(named))
+    for bad in (["0.weight"], ["0.bias"], ["1.weight", "1.bias"]):  # searched, per-element blocks, two of them
+        model, clean_model = _model(), _model()
+        opt = gefen.Gefen(model.named_parameters(), lr=1e-3, nonfinite=policy)
+        clean = gefen.Gefen(clean_model.named_parameters(), lr=1e-3, nonfinite=policy)
+        _grads(model, 3)
+        for name in bad:
+            grad = dict(model.named_parameters())[name].grad
+            bound = gefen.kernels.native.as_float32(gefen.amp.usable_bound(grad.numel()))
+            grad.view(-1)[-1] = {"nan": float("nan"), "inf": float("inf"), "above_bound": 1.0000001 * bound}[value]
+        params_before = [p.detach().clone() for p in model.parameters()]
+        if policy == "skip":
+            with pytest.warns(UserWarning, match=rf"skipped this step because the gradients of {', '.join(bad)} hold"):
+                opt.step()
+            assert opt.skipped_steps == 1
+        else:
+            with pytest.raises(gefen.StepError, match=rf"the gradient of {bad[0]} has NaN/Inf values"):
+                opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+        assert len(opt.state) == 0 and opt.codebook is None
+        for m, o in ((model, opt), (clean_model, clean)):
+            _grads(m, 4)
+            o.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clean_model.parameters()))
+        assert torch.equal(opt.codebook, clean.codebook)
+    assert reads == [[]] * 9  # three refused first steps and six clean ones: no gradient read by the preflight
+
+
+def test_a_first_step_in_bf16_or_with_a_codebook_is_still_checked_by_the_preflight(monkeypatch):
+    """The histogram checks only contiguous fp32 CPU gradients while the codebook is to be learned: a bf16
+    gradient, or a parameter starting after the codebook was learned, is read by the preflight as before."""
+    import gefen.optim._base as base
+
+    reads = []
+    checked = base.unusable_names
+    monkeypatch.setattr(base, "unusable_names", lambda named: reads.append([n for n, _ in named]) or checked(named))
+    model = _model()
+    opt = gefen.Gefen([model[0].weight], lr=1e-3)
+    _grads(model, 0)
+    opt.step()
+    opt.add_param_group({"params": [model[1].weight]})
+    _grads(model, 1)
+    model[1].weight.grad[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match="skipped this step because the gradients of "):
+        opt.step()
+    assert reads == [[], ["param_groups[0][0]", "param_groups[1][0]"]]  # the first step: nothing; then both
+    assert model[1].weight not in opt.state or len(opt.state[model[1].weight]) == 0
+    bf16 = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = gefen.Gefen(bf16.parameters(), lr=1e-3)
+    bf16(torch.randn(2, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    assert reads[-1] == ["param_groups[0][0]", "param_groups[0][1]"]
+
+
 def test_nonfinite_raise_refuses_a_nan_step_and_propagate_lets_it_through():
     for policy, raises in (("raise", True), ("propagate", False)):
         m = _cap_model()

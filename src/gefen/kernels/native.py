@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 5
+ABI_VERSION = 6
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -205,7 +205,7 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     pointer, int64, double = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.gefen_kmeans_centres.argtypes = [pointer] * 3 + [int64] * 3 + [double] * 2 + [pointer, int64]
     lib.gefen_kmeans_centres.restype = ctypes.c_int
-    lib.gefen_histogram.argtypes = [pointer, int64, int64, pointer, int64]
+    lib.gefen_histogram.argtypes = [pointer, int64, int64, pointer, int64, ctypes.c_float]
     lib.gefen_histogram.restype = ctypes.c_int
     lib.gefen_period_scores.argtypes = [pointer, int64, pointer, int64, pointer, pointer, pointer, int64]
     lib.gefen_period_scores.restype = ctypes.c_int
@@ -619,7 +619,7 @@ def kmeans_centres(
     return out
 
 
-def histogram_(counts: Tensor, g: Tensor, period: int) -> bool:
+def histogram_(counts: Tensor, g: Tensor, period: int, bound: float = 0.0) -> bool:
     """Add the codebook histogram of one fp32 gradient to ``counts`` natively, on torch's threads.
 
     The bins of :func:`gefen.math.codebook.accumulate_histogram_` (the reference), computed with the same fp32
@@ -629,9 +629,13 @@ def histogram_(counts: Tensor, g: Tensor, period: int) -> bool:
         counts: (4096,) int64, CPU, contiguous; updated in place.
         g: fp32, CPU, contiguous, ``g.numel() % period == 0``.
         period: elements per block, >= 1.
+        bound: > 0 also refuses a value with ``|g| > bound`` (compared in fp32, the bound rounded to fp32 as
+            :func:`as_float32` does): with :func:`gefen.amp.usable_bound` this read doubles as the NaN/Inf check of
+            a first step (the same rule as the preflight's :func:`gefen.amp.unusable_names`). 0: no bound.
 
     Returns:
-        ``True`` when added; ``False`` (``counts`` untouched) when ``g`` holds a NaN or an infinity.
+        ``True`` when added; ``False`` (``counts`` untouched) when ``g`` holds a NaN, an infinity or a value beyond
+        ``bound``.
 
     Raises:
         RuntimeError: the library is unavailable, or the arguments do not fit.
@@ -645,9 +649,15 @@ def histogram_(counts: Tensor, g: Tensor, period: int) -> bool:
     numel = g.numel()
     if period < 1 or numel == 0 or numel % period:
         raise RuntimeError(f"histogram_: period {period} does not divide {numel} elements")
-    rc = lib.gefen_histogram(g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads())
+    if not bound >= 0.0:
+        raise RuntimeError(f"histogram_: bound {bound!r} is not >= 0")
+    rc = lib.gefen_histogram(
+        g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads(), as_float32(bound)
+    )
     if rc == -2:
         raise RuntimeError("gefen native histogram: out of memory")
+    if rc not in (0, _ERR_UNUSABLE):
+        raise RuntimeError(f"gefen native histogram refused its arguments (code {rc})")
     return rc == 0
 
 

@@ -472,7 +472,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             self._check_fresh_under_capture(plan)
             if self._defers_finite_check(plan):
                 return loss, plan, None, True
-            bad = self._check_finite(plan)
+            bad = self._check_finite(plan, later=self._first_gradients_checked_later(plan))
             return loss, plan, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None, False
         loss, plan, failure, overflow, present, bad = None, [], None, False, False, []
         try:
@@ -514,6 +514,11 @@ class GefenOptimizer(torch.optim.Optimizer):
         the preflight does not read the gradients for it)."""
         return False
 
+    def _first_gradients_checked_later(self, plan: list[list[WorkItem]]) -> frozenset[int]:
+        """Subclass hook: ``id`` of the parameters whose first gradients the step itself checks (under the
+        ``nonfinite`` policy, before its first write) in a read it makes anyway; the preflight skips them."""
+        return frozenset()
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """Read by ``torch.amp.GradScaler.step``: true when some present gradient is fp16 (the scaler cannot
@@ -538,11 +543,12 @@ class GefenOptimizer(torch.optim.Optimizer):
             unscale_grads_([item.grad for work in plan for item in work], controls.grad_scale)
         return False
 
-    def _check_finite(self, plan: list[list[WorkItem]]) -> list[str]:
+    def _check_finite(self, plan: list[list[WorkItem]], later: frozenset[int] = frozenset()) -> list[str]:
         """Apply the ``nonfinite`` policy (see :mod:`gefen.nonfinite`) to the step's gradients; one host read.
 
         ``"skip"`` and ``"raise"`` check every gradient, ``"propagate"`` only the first gradient of a parameter
-        without state (its period search and the codebook need finite values). Inside a
+        without state (its period search and the codebook need finite values); none of the parameters in
+        ``later`` (see :meth:`_first_gradients_checked_later`). Inside a
         :class:`gefen.GefenMuonHybrid` step, which applied the policy to both halves in its preflight, nothing is
         checked twice.
 
@@ -561,7 +567,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             (item.name, item.grad)
             for work in plan
             for item in work
-            if everything or STEP not in self.state.get(item.param, ())
+            if (everything or STEP not in self.state.get(item.param, ())) and id(item.param) not in later
         ]
         return self._apply_finite_policy(unusable_names(named), everything)
 

@@ -25,12 +25,8 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float
-from gefen.kernels import auto_backend, group_backend, native_status, native_supports
+from gefen.kernels import auto_backend, group_backend, native_supports
 from gefen.math.codebook import (
-    CODEBOOK_SIZE,
-    HISTOGRAM_BINS,
-    accumulate_histogram_,
-    fit_codebook,
     zero_code_index,
 )
 from gefen.math.fused import (
@@ -51,16 +47,15 @@ from gefen.math.moments import (
     sharded_factored_second_moment_,
     update_quantized_moment,
 )
-from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
 from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
 from gefen.optim._compiled import fused_step_
+from gefen.optim._first_step import checkable_in_histogram, learn_codebook, search_periods
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
     all_reduce_,
     collective_device,
-    gather_rows,
     init_sharded_state,
     local_state,
 )
@@ -308,11 +303,18 @@ class Gefen(GefenOptimizer):
             return loss
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
-        periods = self._search_periods(fresh)
+        unchecked = self._first_gradients_checked_later(plan) if fresh else frozenset()  # left to the histogram
+        periods, bad = search_periods(fresh, unchecked)
         starting = [item for item, _ in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
         if codebook is None and starting:
-            codebook, codebook_warning = self._learn_codebook(starting, periods)
+            codebook, codebook_warning, unusable = learn_codebook(starting, periods, unchecked)
+            bad += unusable
+        if bad:  # a first gradient the preflight left to these reads: nothing has changed
+            order = {item.name: k for k, (item, _) in enumerate(fresh)}
+            bad = self._apply_finite_policy(sorted(bad, key=order.__getitem__))
+            self._record_skip(StepSkip(nonfinite=True, names=tuple(bad)))
+            return loss
         jobs = [
             (item, group)
             for group, work in zip(self.param_groups, plan)
@@ -569,6 +571,26 @@ class Gefen(GefenOptimizer):
             return False
         return all(item.shard is None and self._has_state(item.param) for work in plan for item in work)
 
+    def _first_gradients_checked_later(self, plan: list[list[WorkItem]]) -> frozenset[int]:
+        """The parameters whose first gradients the step checks in its codebook histogram instead of the
+        preflight (see :func:`gefen.optim._first_step.learn_codebook`): one read of them fewer in a first step.
+
+        Those starting now with a native-checkable gradient (:func:`~gefen.optim._first_step.checkable_in_histogram`)
+        while the codebook is still to be learned, under ``"skip"`` or ``"raise"``, not ``capturable``, and when
+        no :class:`gefen.GefenMuonHybrid` applied the policy already (GefenMuon checks in its preflight). The
+        preflight asks once per step; the step asks again (the same answer: nothing changed in between).
+        """
+        if not self._checks_finite_in_step or self.nonfinite == "propagate" or self.capturable:
+            return frozenset()
+        if self._codebook is not None or self.__dict__.get("_finite_checked") or self._any_shard() is not None:
+            return frozenset()
+        return frozenset(
+            id(item.param)
+            for work in plan
+            for item in work
+            if not self._has_state(item.param) and checkable_in_histogram(item)
+        )
+
     def _run_compiled(
         self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]], flags: Tensor | None = None
     ) -> set[int]:
@@ -648,67 +670,6 @@ class Gefen(GefenOptimizer):
     def _has_state(self, param: Tensor) -> bool:
         # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
         return STEP in self.state.get(param, ())
-
-    def _search_periods(self, fresh: list[tuple[WorkItem, Mapping[str, Any]]]) -> dict[int, int]:
-        """Period of every parameter starting now, from its first non-zero gradient.
-
-        A parameter whose gradient is exactly zero everywhere carries no information for the period search or
-        the codebook: it gets no state yet (its first moment and second moment would both stay 0) and starts at
-        its first non-zero gradient. The gradients were checked finite by :meth:`_check_finite`. The search
-        runs natively (its scores from the C library) where the group's backend is ``"auto"`` or ``"native"``
-        and the library loaded, and on torch's ops (the reference) for ``"eager"`` and ``"compiled"``.
-        """
-        periods = {}
-        sizes = [item.grad.numel() for item, _ in fresh if item.shard is None and item.grad.device.type == "cpu"]
-        # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
-        workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
-        for item, group in fresh:
-            shape = tuple(item.param.shape)
-            if item.shard is None and per_element_blocks(shape):  # biases, norm weights: nothing to search
-                if bool(item.grad.any()):
-                    periods[id(item.param)] = 1
-            elif item.shard is None:
-                backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
-                period = first_period(item.grad, backend=backend, workspace=workspace)
-                if period is not None:
-                    periods[id(item.param)] = row_aligned_period(period, shape)
-        sharded = [item for item, _ in fresh if item.shard is not None]
-        if sharded:  # the same search on the full gradient on every rank, the same row rule
-            shard = sharded[0].shard
-            assert shard is not None
-            nonzero = torch.tensor([bool(item.grad.any()) for item in sharded], dtype=torch.int64)
-            nonzero = all_reduce_(nonzero.to(collective_device(shard)), shard.group, "max")
-            for item, flag in zip(sharded, nonzero.tolist()):
-                if flag:
-                    assert item.shard is not None
-                    shape = tuple(item.param.shape)
-                    if per_element_blocks(shape, sharded=True):
-                        periods[id(item.param)] = 1
-                        continue
-                    full = gather_rows(item.grad.to(torch.float32), item.shard)
-                    periods[id(item.param)] = row_aligned_period(find_period(full), shape, sharded=True)
-        return periods
-
-    def _learn_codebook(self, starting: list[WorkItem], periods: dict[int, int]) -> tuple[Tensor, str | None]:
-        """The codebook of the first step's gradients, and the warning to give when it is published (if any)."""
-        device = starting[0].grad.device
-        counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
-        for item in starting:
-            accumulate_histogram_(counts, item.grad.to(device), periods[id(item.param)])
-        shard = starting[0].shard
-        if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
-            counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(device)
-        active = int((counts > 0).sum())
-        warning = None
-        if active < CODEBOOK_SIZE - 1:
-            n_elements = sum(item.param.numel() for item in starting)
-            warning = (
-                f"Gefen learned its codebook from the first step's gradients of only {len(starting)} parameter(s) "
-                f"({n_elements} elements), which fill {active} of the 4096 histogram bins: the 8-bit first moment "
-                f"will have only about {active + 2} distinct levels for the whole run. Make the first step() see "
-                "representative gradients of all the parameters you train (the codebook is frozen after it)."
-            )
-        return fit_codebook(counts), warning
 
     def _nearest_table(self, device: torch.device, codebook: Tensor | None = None) -> NearestCodeTable:
         """The nearest-code table of ``codebook`` (default: the published one) on ``device``, built once.

@@ -306,6 +306,7 @@ typedef struct {
 typedef struct {
     const float *g;
     int64_t period, blocks_per_task, blocks;
+    float bound;          /* > 0: a block whose max |g| exceeds it is refused like a non-finite one */
     hist_counts *partial; /* (threads,) */
     int avx2;
 } hist_ctx;
@@ -380,7 +381,7 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
 #else
         const int finite = hist_max_scalar(x, h->period, &a);
 #endif
-        if (!finite) {
+        if (!finite || (h->bound > 0.0f && a > h->bound)) {
             c->bad = 1;
             return;
         }
@@ -402,21 +403,23 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
     }
 }
 
-/* counts[0..4096) += the histogram of g (numel fp32 values, blocks of `period`). Returns OK, ERR_ARGS (bad sizes,
- * or a non-finite value: counts untouched) or ERR_NOMEM. */
-int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *counts, int64_t threads) {
-    if (!g || !counts || numel <= 0 || period <= 0 || numel % period != 0) return ERR_ARGS;
+/* counts[0..4096) += the histogram of g (numel fp32 values, blocks of `period`). bound > 0 also refuses a value with
+ * |g| > bound (fp32 compare; the optimizer's usable bound, so that this read is its first step's NaN/Inf check).
+ * Returns OK, ERR_ARGS (bad sizes or bound), ERR_UNUSABLE (a NaN, an infinity or a value beyond bound: counts
+ * untouched) or ERR_NOMEM. */
+int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *counts, int64_t threads, float bound) {
+    if (!g || !counts || numel <= 0 || period <= 0 || numel % period != 0 || !(bound >= 0.0f)) return ERR_ARGS;
     if (threads < 1 || numel < PARALLEL_MIN_ELEMENTS) threads = 1;
     hist_counts *partial = (hist_counts *)calloc((size_t)threads, sizeof(hist_counts));
     if (!partial) return ERR_NOMEM;
     const int64_t blocks = numel / period;
     int64_t per_task = TASK_ELEMENTS / period;
     if (per_task < 1) per_task = 1;
-    hist_ctx h = {g, period, per_task, blocks, partial, active_level() >= LEVEL_AVX2};
+    hist_ctx h = {g, period, per_task, blocks, bound, partial, active_level() >= LEVEL_AVX2};
     parallel_for_cost((blocks + per_task - 1) / per_task, threads, hist_task, &h, 0);
     int rc = OK;
     for (int64_t t = 0; t < threads; t++)
-        if (partial[t].bad) rc = ERR_ARGS;
+        if (partial[t].bad) rc = ERR_UNUSABLE;
     if (rc == OK)
         for (int64_t t = 0; t < threads; t++)
             for (int k = 0; k < 4096; k++) counts[k] += partial[t].total[k] + partial[t].small[k];

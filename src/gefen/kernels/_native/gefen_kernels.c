@@ -33,7 +33,7 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 5
+#define GEFEN_ABI_VERSION 6
 
 #define INLINE __attribute__((always_inline)) inline
 /* Fully unrolls the four 16-lane steps of a 64-element group, so their vectors stay in registers (GCC at -O2 keeps
