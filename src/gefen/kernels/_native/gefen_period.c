@@ -256,6 +256,18 @@ static double sum_values(const double *out, int64_t j0, int64_t j1) {
 }
 
 #if GEFEN_X86
+/* sum_values in one 4-lane register (the same lanes, the same order). */
+__attribute__((target("avx2"))) static double sum_values_avx2(const double *out, int64_t j0, int64_t j1) {
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) acc = _mm256_add_pd(acc, _mm256_loadu_pd(out + j + 1));
+    double lanes[4];
+    _mm256_storeu_pd(lanes, acc);
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; j < j1; j++) total += out[j + 1];
+    return total;
+}
+
 /* y' of the 8 elements at g as two vectors (elements 0-3, 4-7), with the flags' vector tests (bad: not finite, or
  * an overflowing square). */
 __attribute__((target("avx2,fma"))) static inline void scaled_y8(const float *g, __m256 vx0, __m256 *bad,
@@ -453,6 +465,13 @@ static void period_logs_task(const void *ctx_, int64_t t, int64_t thread) {
     }
 #endif
     if (!done) groups_scalar(c->g, cl, j0, j1, c->x0, &flags);
+#if GEFEN_X86
+    if (c->avx2) {
+        c->chunk_sum[t] = sum_values_avx2(cl->prefix, j0, j1);
+        c->flags[t] = flags;
+        return;
+    }
+#endif
     c->chunk_sum[t] = sum_values(cl->prefix, j0, j1);
     c->flags[t] = flags;
 }
@@ -471,9 +490,9 @@ __attribute__((target("avx2"))) static int64_t prefix4_avx2(double *P, int64_t i
         __m256d a = _mm256_add_pd(d, s1);                                          /* d0 d0+d1 d1+d2 d2+d3 */
         __m256d s2 = _mm256_permute2f128_pd(a, a, 0x08);                           /* 0 0 d0 d0+d1 */
         a = _mm256_add_pd(a, s2); /* d0, d0+d1, (d1+d2)+d0, (d2+d3)+(d0+d1) */
-        __m256d out = _mm256_add_pd(carry, a);
-        _mm256_storeu_pd(P + i + 1, out);
-        carry = _mm256_permute4x64_pd(out, 0xFF);
+        _mm256_storeu_pd(P + i + 1, _mm256_add_pd(carry, a));
+        /* the next running value, carry + (d2 + d3) + (d0 + d1): out's last lane, without waiting for out */
+        carry = _mm256_add_pd(carry, _mm256_permute4x64_pd(a, 0xFF));
     }
     double last[4];
     _mm256_storeu_pd(last, carry);
@@ -554,18 +573,45 @@ static double score_range(const double *P, int64_t s, int64_t B, int64_t v0, int
     return total;
 }
 
-/* Range u of class k: every candidate of the class, its partial sum. Plain C (no division), the same on every
- * path. */
+#if GEFEN_X86
+/* score_range for a stride of 1 (p = G): the lanes of 4 consecutive b in one register (the same lanes and order). */
+__attribute__((target("avx2"))) static double score_range1_avx2(const double *P, int64_t B, int64_t v0, int64_t v1) {
+    int64_t b = v0 < 1 ? 1 : v0, b1 = v1 < B ? v1 : B;
+    if (b >= b1) return 0.0;
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    __m256d acc = _mm256_setzero_pd();
+    for (; b + 4 <= b1; b += 4) {
+        const __m256d p0 = _mm256_loadu_pd(P + b - 1), p1 = _mm256_loadu_pd(P + b), p2 = _mm256_loadu_pd(P + b + 1);
+        const __m256d d = _mm256_sub_pd(_mm256_sub_pd(p2, p1), _mm256_sub_pd(p1, p0)); /* D_b - D_{b-1} */
+        acc = _mm256_add_pd(acc, _mm256_andnot_pd(sign, d));
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, acc);
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; b < b1; b++) total += fabs((P[b + 1] - P[b]) - (P[b] - P[b - 1]));
+    return total;
+}
+#endif
+
+/* Range u of class k: every candidate of the class, its partial sum (no division; the same sums on every path). */
 static void period_score_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const score_ctx *sc = (const score_ctx *)ctx_;
     const int64_t k = sc->task_class[t], u = sc->task_range[t];
     const period_class *cl = &sc->c->cls[k];
     const int64_t v0 = u * SCORE_RANGE, v1 = v0 + SCORE_RANGE < cl->values ? v0 + SCORE_RANGE : cl->values;
-    for (int64_t i = 0; i < sc->n_cands; i++)
-        if (sc->cand_class[i] == k)
-            sc->partial[sc->part_at[i] + u] =
-                score_range(cl->prefix, sc->cands[i] / cl->group, sc->c->n / sc->cands[i], v0, v1);
+    for (int64_t i = 0; i < sc->n_cands; i++) {
+        if (sc->cand_class[i] != k) continue;
+        const int64_t s = sc->cands[i] / cl->group, B = sc->c->n / sc->cands[i];
+        double *out = &sc->partial[sc->part_at[i] + u];
+#if GEFEN_X86
+        if (s == 1 && sc->c->avx2) {
+            *out = score_range1_avx2(cl->prefix, B, v0, v1);
+            continue;
+        }
+#endif
+        *out = score_range(cl->prefix, s, B, v0, v1);
+    }
 }
 
 static int64_t gcd64(int64_t a, int64_t b) {
