@@ -28,7 +28,11 @@ except ImportError:  # pragma: no cover - older setuptools
 
 SOURCE = "src/gefen/kernels/_native/gefen_kernels.c"
 #: Files SOURCE includes (one translation unit): a change to them rebuilds the library too.
-DEPENDS = ["src/gefen/kernels/_native/gefen_codebook.c", "src/gefen/kernels/_native/gefen_period.c"]
+DEPENDS = [
+    "src/gefen/kernels/_native/gefen_codebook.c",
+    "src/gefen/kernels/_native/gefen_period.c",
+    "src/gefen/kernels/_native/gefen_period_simd.c",
+]
 #: Flags of every build: -ffp-contract=off keeps each rounding as written (the kernels spell out every fma).
 CFLAGS = ["-O2", "-std=c11", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=default"]
 

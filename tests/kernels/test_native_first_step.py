@@ -303,6 +303,33 @@ def test_native_grouped_period_scores_are_identical_on_every_path_and_thread_cou
     assert all(r == results[0] for r in results), "scores differ between CPU paths or thread counts"
 
 
+@pytest.mark.parametrize("group", [3, 5, 6, 7, 10, 11, 12])
+@pytest.mark.parametrize("pattern", ["rows", "sparse", "tiny"])
+def test_native_one_run_groups_are_identical_on_every_path(group, pattern) -> None:
+    """Classes of groups of 8 and of one run of G (the AVX-512 path's masked lanes for every G up to 12): the same
+    scores on every CPU level and thread count as the scalar path, within 1e-11 of the reference; 16 * G * 1237
+    elements leave partial pieces, groups of 4 and logs of 8 at the chunk tails."""
+    n = 16 * group * 1237
+    g = _gradient(n, pattern, group)
+    cands = [8, 16, group, 2 * group] + ([4 * group] if (4 * group) % 8 else [])
+    expected = period_scores(g.square(), cands)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for level in _native_levels():
+            native.force_level(level)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                results.append(native.period_scores(g, cands))
+    finally:
+        native.force_level(None)
+        torch.set_num_threads(threads)
+    assert all(r == results[0] for r in results), "scores differ between CPU paths or thread counts"
+    got, nonzero = results[0]
+    assert nonzero is True and got is not None
+    np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
+
+
 @pytest.mark.parametrize("level", ["scalar", None])
 def test_native_grouped_period_scores_checks(level) -> None:
     n = 720_896

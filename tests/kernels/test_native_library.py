@@ -382,6 +382,13 @@ ASAN_SCRIPT = textwrap.dedent(
                 native.period_scores(g, cands)
             except ValueError:
                 cases += 1
+        # groups of 8 with one run of G (every lane mask of the AVX-512 products), pieces and tails
+        for group in (3, 5, 6, 7, 10, 12):
+            n = 16 * group * 53
+            g = torch.randn(n, generator=gen)
+            native.period_scores(g, [8, 16, group, 2 * group])
+            native.period_scores(g, [8, 16, group, 2 * group], torch.empty(n + 1, dtype=torch.float64))
+            cases += 1
     native.force_level(None)
     print("ASAN-OK", cases)
     """

@@ -19,7 +19,8 @@
  *
  * ln: x = 2^e m with m in [sqrt(1/2), sqrt(2)), ln x = e ln2 + 2 atanh(s), s = (m - 1) / (m + 1), the atanh series
  * to z^10 (z = s^2 <= 0.0295: truncation below 1e-18), e ln2 in two parts (fdlibm's split). Every multiply-add is
- * spelled out as fma, so the scalar and AVX2 paths round alike; error a few ulp.
+ * spelled out as fma, so the scalar, AVX2 and AVX-512 paths round alike; error a few ulp.
+ * The vector paths (AVX2, AVX-512) are in gefen_period_simd.c, included below the scalar functions they reproduce.
  */
 
 enum { ERR_NONFINITE = -3, ERR_OVERFLOW = -4 };
@@ -88,72 +89,6 @@ static double logs_scalar(const float *g, double *out, int64_t i0, int64_t i1, f
     return total;
 }
 
-#if GEFEN_X86
-__attribute__((target("avx2,fma"))) static inline __m256d ln_positive4(__m256d x) {
-    const __m256i bits = _mm256_castpd_si256(x);
-    const __m256d two52 = _mm256_castsi256_pd(_mm256_set1_epi64x(0x4330000000000000LL));
-    const __m256i biased = _mm256_or_si256(_mm256_srli_epi64(bits, 52), _mm256_castpd_si256(two52));
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(biased), two52); /* the biased exponent as a double, exactly */
-    e = _mm256_sub_pd(e, _mm256_set1_pd(1023.0));
-    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
-                                                    _mm256_set1_epi64x(0x3ff0000000000000LL)));
-    const __m256d high = _mm256_cmp_pd(m, _mm256_set1_pd(SQRT2), _CMP_GT_OQ);
-    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), high);
-    e = _mm256_add_pd(e, _mm256_and_pd(high, _mm256_set1_pd(1.0)));
-    const __m256d one = _mm256_set1_pd(1.0);
-    const __m256d s = _mm256_div_pd(_mm256_sub_pd(m, one), _mm256_add_pd(m, one)), z = _mm256_mul_pd(s, s);
-    __m256d poly = _mm256_set1_pd(1.0 / 21.0);
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 19.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 17.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 15.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 13.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 11.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 9.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 7.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 5.0));
-    poly = _mm256_fmadd_pd(poly, z, _mm256_set1_pd(1.0 / 3.0));
-    const __m256d s2 = _mm256_add_pd(s, s);
-    const __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(s2, z), poly, s2);
-    return _mm256_fmadd_pd(e, _mm256_set1_pd(LN2_HI), _mm256_add_pd(lnm, _mm256_mul_pd(e, _mm256_set1_pd(LN2_LO))));
-}
-
-/* logs_scalar's groups of 8 of [i0, i1) (the same lanes and order); returns 0 when a value is not finite or
- * squares to an overflow (nothing summed: the caller redoes the chunk in scalar to tell which), else the sum. */
-__attribute__((target("avx2,fma"))) static int logs_avx2(const float *g, double *out, int64_t i0, int64_t i1,
-                                                         float x0, double *sum, int *flags) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256d delta = _mm256_set1_pd(1e-12);
-    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
-    const __m256 vx0 = _mm256_set1_ps(x0);
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) {
-        const __m256 gi = _mm256_loadu_ps(g + i), x = _mm256_mul_ps(gi, gi);
-        /* not (|g| <= max and x <= max): NaN, infinity or an overflowing square */
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
-        nonzero = _mm256_or_ps(nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
-        varies = _mm256_or_ps(varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
-        const __m256d l0 = ln_positive4(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta));
-        const __m256d l1 = ln_positive4(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta));
-        _mm256_storeu_pd(out + i + 1, l0);
-        _mm256_storeu_pd(out + i + 5, l1);
-        acc0 = _mm256_add_pd(acc0, l0);
-        acc1 = _mm256_add_pd(acc1, l1);
-    }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
-    double lanes[8];
-    _mm256_storeu_pd(lanes, acc0);
-    _mm256_storeu_pd(lanes + 4, acc1);
-    double total = sum8(lanes);
-    logs_tail(g, out, i, i1, x0, &total, flags);
-    *sum = total;
-    return 1;
-}
-#endif
-
 /* ------------------------------------------------------------------ grouped values
  * A class of candidates whose periods are all multiples of G >= 2 reads its prefix only at multiples of G, so it
  * keeps one value per group of G elements: the sum of their logs, taken as a sum of logs of products. The group
@@ -193,7 +128,7 @@ typedef struct {
     int *flags;          /* (chunks of all classes,): 1 non-finite g, 2 g*g overflowed, 4 some g != 0, 8 some x != x0 */
     float x0;            /* g[0] * g[0] */
     double mean[PERIOD_MAX_CLASSES];
-    int avx2;
+    int avx2, avx512;
 } period_ctx;
 
 /* The class of chunk t (among the chunks of all classes) and the range [*v0, *v1) of its values that the chunk
@@ -256,173 +191,7 @@ static double sum_values(const double *out, int64_t j0, int64_t j1) {
 }
 
 #if GEFEN_X86
-/* y' of the 8 elements at g as two vectors (elements 0-3, 4-7), with the flags' vector tests (bad: not finite, or
- * an overflowing square). */
-__attribute__((target("avx2,fma"))) static inline void scaled_y8(const float *g, __m256 vx0, __m256 *bad,
-                                                                 __m256 *nonzero, __m256 *varies, __m256d *lo,
-                                                                 __m256d *hi) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256d delta = _mm256_set1_pd(1e-12), scale = _mm256_set1_pd(0x1p-44);
-    const __m256 gi = _mm256_loadu_ps(g), x = _mm256_mul_ps(gi, gi);
-    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
-    *nonzero = _mm256_or_ps(*nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
-    *varies = _mm256_or_ps(*varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
-    *lo = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta), scale);
-    *hi = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta), scale);
-}
-
-/* (p(a), p(b), p(c), p(d)) of four runs' lanes a..d, p(v) = (v0 v1)(v2 v3) (run_product's last step). */
-__attribute__((target("avx2,fma"))) static inline __m256d run_products4(__m256d a, __m256d b, __m256d c, __m256d d) {
-    /* (a0 a1, b0 b1, a2 a3, b2 b3) and (c0 c1, d0 d1, c2 c3, d2 d3) */
-    const __m256d ab = _mm256_mul_pd(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b));
-    const __m256d cd = _mm256_mul_pd(_mm256_unpacklo_pd(c, d), _mm256_unpackhi_pd(c, d));
-    return _mm256_mul_pd(_mm256_permute2f128_pd(ab, cd, 0x20), _mm256_permute2f128_pd(ab, cd, 0x31));
-}
-
-/* out[i] = ln(in[i]) for i < m (in place allowed): four at a time, the last m % 4 in scalar (the same values).
- * A pass of its own: the long dependency chain of each log overlaps with the next ones only in a short loop. */
-__attribute__((target("avx2,fma"))) static void ln_array_avx2(const double *in, double *out, int64_t m) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) _mm256_storeu_pd(out + i, ln_positive4(_mm256_loadu_pd(in + i)));
-    for (; i < m; i++) out[i] = ln_positive(in[i]);
-}
-
-/* Groups of 8 straight from g (one run per group: lane k of a group is y'_k y'_{k + 4}): the products of up to
- * 64 groups, four per iteration, into out, then their logs in place; the last (j1 - j0) % 4 groups in scalar.
- * Returns 0 (values unusable) when a value is not finite or squares to an overflow, else 1. */
-__attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, double *out, int64_t j0, int64_t j1,
-                                                           float x0, int *flags) {
-    const __m256 vx0 = _mm256_set1_ps(x0);
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
-    int64_t j = j0;
-    while (j + 4 <= j1) { /* batches of up to 64 groups: their products into out, then their logs in place */
-        const int64_t batch_end = j + 64 <= j1 ? j + 64 : j + ((j1 - j) & ~(int64_t)3), start = j;
-        for (; j < batch_end; j += 4) {
-            __m256d lanes[4];
-            for (int k = 0; k < 4; k++) {
-                __m256d lo, hi;
-                scaled_y8(g + 8 * (j + k), vx0, &bad, &nonzero, &varies, &lo, &hi);
-                lanes[k] = _mm256_mul_pd(lo, hi);
-            }
-            _mm256_storeu_pd(out + j + 1, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
-        }
-        ln_array_avx2(out + start + 1, out + start + 1, batch_end - start);
-    }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
-    double y[8];
-    for (; j < j1; j++) {
-        for (int k = 0; k < 8; k++) {
-            const float gi = g[8 * j + k], x = gi * gi;
-            element_flags(gi, x, x0, flags);
-            y[k] = scaled_y(x);
-        }
-        out[j + 1] = ln_positive(run_product(y, 8));
-    }
-    return !(*flags & 3);
-}
-
-/* Lanes 0..3 of one run of len (1..PERIOD_RUN) factors at y: a_k (run_product), missing factors as 1. Reads
- * y[0 .. 12) whatever len. */
-__attribute__((target("avx2,fma"))) static inline __m256d run_lanes(const double *y, int64_t len) {
-    const __m256d one = _mm256_set1_pd(1.0);
-    const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
-    __m256d v = _mm256_loadu_pd(y);
-    if (len < 4) v = _mm256_blendv_pd(one, v, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len), lane)));
-    if (len > 4) {
-        __m256d w = _mm256_loadu_pd(y + 4);
-        if (len < 8)
-            w = _mm256_blendv_pd(one, w, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len - 4), lane)));
-        v = _mm256_mul_pd(v, w);
-    }
-    if (len > 8) {
-        __m256d w = _mm256_loadu_pd(y + 8);
-        if (len < 12)
-            w = _mm256_blendv_pd(one, w, _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(len - 8), lane)));
-        v = _mm256_mul_pd(v, w);
-    }
-    return v;
-}
-
-/* groups_scalar for any G >= 2: pieces of whole runs (at most PERIOD_PIECE elements) are squared, checked and
- * scaled 8 at a time into a buffer, then their runs' products taken four runs at a time (the last runs of a
- * piece in scalar), then their logs (ln_array_avx2), then the values (each group's logs added in order).
- * Returns 0 (values unusable) when a value is not finite or squares to an overflow, else 1. */
-__attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const period_class *c, int64_t j0,
-                                                           int64_t j1, float x0, int *flags) {
-    double y[PERIOD_PIECE + 16]; /* + 16: run_lanes reads 12 from the last run's start */
-    double prod[PERIOD_PIECE];   /* the runs' products, then their logs */
-    const int64_t G = c->group, runs = c->runs, last = G - PERIOD_RUN * (runs - 1);
-    double *out = c->prefix;
-    const __m256 vx0 = _mm256_set1_ps(x0);
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
-    int64_t r = j0 * runs, q = 0, j = j0, e = j0 * G; /* next run: its index, its place in group j, its start */
-    const int64_t r_end = j1 * runs;
-    double cur = 0.0; /* group j's value so far */
-    while (r < r_end) {
-        int64_t count = 0, len = 0; /* runs and elements of this piece */
-        for (int64_t qq = q; r + count < r_end; count++) {
-            const int64_t l = qq + 1 < runs ? PERIOD_RUN : last;
-            if (len + l > PERIOD_PIECE) break;
-            len += l;
-            qq = qq + 1 == runs ? 0 : qq + 1;
-        }
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) {
-            __m256d lo, hi;
-            scaled_y8(g + e + i, vx0, &bad, &nonzero, &varies, &lo, &hi);
-            _mm256_storeu_pd(y + i, lo);
-            _mm256_storeu_pd(y + i + 4, hi);
-        }
-        for (; i < len; i++) {
-            const float gi = g[e + i], x = gi * gi;
-            element_flags(gi, x, x0, flags);
-            y[i] = scaled_y(x);
-        }
-        for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
-        /* the runs' products (four at a time, the rest in scalar: the same values), then their logs */
-        int64_t k = 0, off = 0, qk = q;
-        for (; k + 4 <= count; k += 4) {
-            __m256d lanes[4];
-            for (int m = 0; m < 4; m++) {
-                const int64_t l = qk + 1 < runs ? PERIOD_RUN : last;
-                lanes[m] = run_lanes(y + off, l);
-                off += l;
-                qk = qk + 1 == runs ? 0 : qk + 1;
-            }
-            _mm256_storeu_pd(prod + k, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
-        }
-        for (; k < count; k++) {
-            const int64_t l = qk + 1 < runs ? PERIOD_RUN : last;
-            prod[k] = run_product(y + off, l);
-            off += l;
-            qk = qk + 1 == runs ? 0 : qk + 1;
-        }
-        if (runs == 1) { /* one run per group: the logs are the values */
-            ln_array_avx2(prod, out + j + 1, count);
-            j += count;
-        } else {
-            ln_array_avx2(prod, prod, count);
-            for (k = 0; k < count; k++) {
-                cur = q ? cur + prod[k] : prod[k];
-                if (q + 1 == runs) {
-                    out[++j] = cur;
-                    q = 0;
-                } else {
-                    q++;
-                }
-            }
-        }
-        r += count;
-        e += len;
-    }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
-    return !(*flags & 3);
-}
+#include "gefen_period_simd.c" /* the AVX2 and AVX-512 paths of the functions above */
 #endif
 
 /* Chunk t of all classes' chunks: its class's values (or per-element logs) into the prefix, their sum, flags. */
@@ -446,41 +215,25 @@ static void period_logs_task(const void *ctx_, int64_t t, int64_t thread) {
     }
     int done = 0;
 #if GEFEN_X86
-    if (c->avx2) {
+    if (c->avx512 && cl->group == 8) done = group8_avx512(c->g, cl->prefix, j0, j1, c->x0, &flags);
+    else if (c->avx512 && cl->runs == 1) done = groups1_avx512(c->g, cl, j0, j1, c->x0, &flags);
+    else if (c->avx2)
         done = cl->group == 8 ? group8_avx2(c->g, cl->prefix, j0, j1, c->x0, &flags)
                               : groups_avx2(c->g, cl, j0, j1, c->x0, &flags);
-        if (!done) flags = 0; /* redone in scalar, which tells a non-finite value from an overflow */
-    }
+    if (!done) flags = 0; /* redone in scalar, which tells a non-finite value from an overflow */
 #endif
     if (!done) groups_scalar(c->g, cl, j0, j1, c->x0, &flags);
+#if GEFEN_X86
+    if (c->avx2) {
+        c->chunk_sum[t] = sum_values_avx2(cl->prefix, j0, j1);
+        c->flags[t] = flags;
+        return;
+    }
+#endif
     c->chunk_sum[t] = sum_values(cl->prefix, j0, j1);
     c->flags[t] = flags;
 }
 
-#if GEFEN_X86
-/* period_prefix_task's groups of 4 of [i0, i1); returns the first element left, the running value in *run. */
-__attribute__((target("avx2"))) static int64_t prefix4_avx2(double *P, int64_t i0, int64_t i1, double mean,
-                                                            double *run) {
-    const __m256d vmean = _mm256_set1_pd(mean);
-    __m256d carry = _mm256_set1_pd(*run);
-    int64_t i = i0;
-    for (; i + 4 <= i1; i += 4) {
-        __m256d d = _mm256_sub_pd(_mm256_loadu_pd(P + i + 1), vmean);             /* d0 d1 d2 d3 */
-        __m256d s1 = _mm256_permute4x64_pd(d, 0x90);                              /* d0 d0 d1 d2 */
-        s1 = _mm256_blend_pd(s1, _mm256_setzero_pd(), 1);                          /* 0  d0 d1 d2 */
-        __m256d a = _mm256_add_pd(d, s1);                                          /* d0 d0+d1 d1+d2 d2+d3 */
-        __m256d s2 = _mm256_permute2f128_pd(a, a, 0x08);                           /* 0 0 d0 d0+d1 */
-        a = _mm256_add_pd(a, s2); /* d0, d0+d1, (d1+d2)+d0, (d2+d3)+(d0+d1) */
-        __m256d out = _mm256_add_pd(carry, a);
-        _mm256_storeu_pd(P + i + 1, out);
-        carry = _mm256_permute4x64_pd(out, 0xFF);
-    }
-    double last[4];
-    _mm256_storeu_pd(last, carry);
-    *run = last[0];
-    return i;
-}
-#endif
 
 /* P[i + 1] = P[i] + (v_i - mean) over one chunk of one class, four at a time: within a group of 4 the partial
  * sums are (d0, d0 + d1, (d1 + d2) + d0, (d2 + d3) + (d0 + d1)), each added to the running value (the AVX2 path's
@@ -554,19 +307,28 @@ static double score_range(const double *P, int64_t s, int64_t B, int64_t v0, int
     return total;
 }
 
-/* Range u of class k: every candidate of the class, its partial sum. Plain C (no division), the same on every
- * path. */
+
+/* Range u of class k: every candidate of the class, its partial sum (no division; the same sums on every path). */
 static void period_score_task(const void *ctx_, int64_t t, int64_t thread) {
     (void)thread;
     const score_ctx *sc = (const score_ctx *)ctx_;
     const int64_t k = sc->task_class[t], u = sc->task_range[t];
     const period_class *cl = &sc->c->cls[k];
     const int64_t v0 = u * SCORE_RANGE, v1 = v0 + SCORE_RANGE < cl->values ? v0 + SCORE_RANGE : cl->values;
-    for (int64_t i = 0; i < sc->n_cands; i++)
-        if (sc->cand_class[i] == k)
-            sc->partial[sc->part_at[i] + u] =
-                score_range(cl->prefix, sc->cands[i] / cl->group, sc->c->n / sc->cands[i], v0, v1);
+    for (int64_t i = 0; i < sc->n_cands; i++) {
+        if (sc->cand_class[i] != k) continue;
+        const int64_t s = sc->cands[i] / cl->group, B = sc->c->n / sc->cands[i];
+        double *out = &sc->partial[sc->part_at[i] + u];
+#if GEFEN_X86
+        if (s == 1 && sc->c->avx2) {
+            *out = score_range1_avx2(cl->prefix, B, v0, v1);
+            continue;
+        }
+#endif
+        *out = score_range(cl->prefix, s, B, v0, v1);
+    }
 }
+
 
 static int64_t gcd64(int64_t a, int64_t b) {
     while (b) {
@@ -639,6 +401,7 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
     c.n = n;
     c.x0 = g[0] * g[0];
     c.avx2 = active_level() >= LEVEL_AVX2;
+    c.avx512 = active_level() >= LEVEL_AVX512;
     int64_t *cand_class = (int64_t *)malloc((size_t)(n_cands + 1) * sizeof(int64_t));
     if (!cand_class) return ERR_NOMEM;
     int64_t groups[PERIOD_MAX_CLASSES], values = 0, chunks = 0;
