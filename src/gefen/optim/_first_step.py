@@ -20,7 +20,7 @@ from gefen.math.period import find_period, first_period, per_element_blocks, row
 from gefen.optim._base import WorkItem
 from gefen.sharding import all_reduce_, collective_device, gather_rows
 
-__all__ = ["checkable_in_histogram", "learn_codebook", "search_periods"]
+__all__ = ["FirstHistogram", "checkable_in_histogram", "search_periods"]
 
 
 def checkable_in_histogram(item: WorkItem) -> bool:
@@ -36,8 +36,62 @@ def checkable_in_histogram(item: WorkItem) -> bool:
     )
 
 
+class FirstHistogram:
+    """The codebook histogram of the first step's gradients (algorithm.md §4.2), one parameter at a time, and the
+    codebook fitted to it (§4.3).
+
+    :func:`search_periods` adds each parameter right after its period search, while its gradient is still in the
+    CPU's last-level cache. For a parameter in ``unchecked`` (see :func:`checkable_in_histogram`) the histogram's
+    read is also its ``nonfinite`` check, the preflight's rule (:func:`gefen.amp.usable_bound`: a NaN, an Inf, or a
+    value whose square sums would overflow fp32), so the first step reads those gradients once fewer.
+
+    Attributes:
+        bad: names of the ``unchecked`` parameters found unusable, in the order they were added.
+    """
+
+    def __init__(self, unchecked: frozenset[int] = frozenset()) -> None:
+        self.unchecked = unchecked
+        self.bad: list[str] = []
+        self._counts: Tensor | None = None
+
+    def add(self, item: WorkItem, period: int) -> None:
+        """Add ``item``'s gradient, in blocks of ``period`` elements (its row-aligned period)."""
+        if self._counts is None:
+            self._counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=item.grad.device)
+        if id(item.param) in self.unchecked:
+            grad = item.grad.detach()
+            if not native_histogram_(self._counts, grad.reshape(-1), period, usable_bound(grad.numel())):
+                self.bad.append(item.name)
+        else:
+            accumulate_histogram_(self._counts, item.grad.to(self._counts.device), period)
+
+    def codebook(self, starting: list[WorkItem]) -> tuple[Tensor, str | None]:
+        """The codebook ((256,) fp32) of every gradient added, and the warning to give when it is published.
+
+        Args:
+            starting: the parameters added (their number and sizes go into the warning). Row-sharded ones sum
+                their histograms over the ranks here: a collective, so every rank calls this alike.
+        """
+        assert self._counts is not None and not self.bad
+        counts = self._counts
+        shard = starting[0].shard
+        if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
+            counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(counts.device)
+        active = int((counts > 0).sum())
+        warning = None
+        if active < CODEBOOK_SIZE - 1:
+            n_elements = sum(item.param.numel() for item in starting)
+            warning = (
+                f"Gefen learned its codebook from the first step's gradients of only {len(starting)} parameter(s) "
+                f"({n_elements} elements), which fill {active} of the 4096 histogram bins: the 8-bit first moment "
+                f"will have only about {active + 2} distinct levels for the whole run. Make the first step() see "
+                "representative gradients of all the parameters you train (the codebook is frozen after it)."
+            )
+        return fit_codebook(counts), warning
+
+
 def search_periods(
-    fresh: list[tuple[WorkItem, Mapping[str, Any]]], unchecked: frozenset[int] = frozenset()
+    fresh: list[tuple[WorkItem, Mapping[str, Any]]], histogram: FirstHistogram | None = None
 ) -> tuple[dict[int, int], list[str]]:
     """Period of every parameter starting now, from its first non-zero gradient.
 
@@ -49,19 +103,28 @@ def search_periods(
 
     Args:
         fresh: ``(item, group)`` of the parameters without state, in step order.
-        unchecked: ``id`` of the parameters whose gradients the preflight did not check (see
-            :func:`learn_codebook`): a NaN/Inf the search meets in one of them is reported, not raised. Every
-            other gradient was checked finite by the preflight.
+        histogram: when the codebook is still to be learned, each parameter with a period is added to it right
+            after its search. A NaN/Inf the search meets in one of its ``unchecked`` parameters is reported, not
+            raised; every other gradient was checked finite by the preflight.
 
     Returns:
         ``(periods, bad)``: ``{id(param): period}`` (row-aligned, see
         :func:`gefen.math.period.row_aligned_period`) for the parameters with a non-zero gradient; ``bad`` the
-        names of the ``unchecked`` parameters whose gradient holds a NaN or an Inf (no period for them).
+        names of the unchecked parameters whose gradient is unusable, in step order (then nothing should be kept).
 
     Raises:
-        ValueError: a NaN/Inf in a gradient that is not in ``unchecked``.
+        ValueError: a NaN/Inf in a gradient that is not unchecked.
     """
+    unchecked = histogram.unchecked if histogram is not None else frozenset()
     periods, bad = {}, []
+
+    def found(item: WorkItem, period: int) -> None:
+        periods[id(item.param)] = period
+        if histogram is not None:
+            histogram.add(item, period)
+            if histogram.bad:
+                bad.append(histogram.bad.pop())
+
     sizes = [item.grad.numel() for item, _ in fresh if item.shard is None and item.grad.device.type == "cpu"]
     # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
     workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
@@ -69,7 +132,7 @@ def search_periods(
         shape = tuple(item.param.shape)
         if item.shard is None and per_element_blocks(shape):  # biases, norm weights: nothing to search
             if bool(item.grad.any()):  # NaN counts as non-zero: the histogram finds it
-                periods[id(item.param)] = 1
+                found(item, 1)
         elif item.shard is None:
             backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
             try:
@@ -80,7 +143,7 @@ def search_periods(
                 bad.append(item.name)
                 continue
             if period is not None:
-                periods[id(item.param)] = row_aligned_period(period, shape)
+                found(item, row_aligned_period(period, shape))
     sharded = [item for item, _ in fresh if item.shard is not None]
     if sharded:  # the same search on the full gradient on every rank, the same row rule
         shard = sharded[0].shard
@@ -92,57 +155,8 @@ def search_periods(
                 assert item.shard is not None
                 shape = tuple(item.param.shape)
                 if per_element_blocks(shape, sharded=True):
-                    periods[id(item.param)] = 1
+                    found(item, 1)
                     continue
                 full = gather_rows(item.grad.to(torch.float32), item.shard)
-                periods[id(item.param)] = row_aligned_period(find_period(full), shape, sharded=True)
+                found(item, row_aligned_period(find_period(full), shape, sharded=True))
     return periods, bad
-
-
-def learn_codebook(
-    starting: list[WorkItem], periods: Mapping[int, int], unchecked: frozenset[int] = frozenset()
-) -> tuple[Tensor | None, str | None, list[str]]:
-    """The codebook of the first step's gradients, the warning to give when it is published (if any), and the
-    unusable gradients among ``unchecked``.
-
-    The histogram reads every starting gradient once; for a parameter in ``unchecked`` (see
-    :func:`checkable_in_histogram`) that read is also its ``nonfinite`` check, the preflight's rule
-    (:func:`gefen.amp.usable_bound`: a NaN, an Inf, or a value whose square sums would overflow fp32), so the first
-    step reads those gradients once fewer.
-
-    Args:
-        starting: the parameters starting now with a non-zero gradient, in step order.
-        periods: their row-aligned periods, by ``id(param)``.
-        unchecked: ``id`` of the parameters whose gradients are checked here.
-
-    Returns:
-        ``(codebook, warning, bad)``: ``codebook`` (256,) fp32 (algorithm.md §4.3), or ``None`` when ``bad``
-        (names, in ``starting`` order) is not empty: then nothing should be kept.
-    """
-    device = starting[0].grad.device
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
-    bad = []
-    for item in starting:
-        period = periods[id(item.param)]
-        if id(item.param) in unchecked:
-            grad = item.grad.detach()
-            if not native_histogram_(counts, grad.reshape(-1), period, usable_bound(grad.numel())):
-                bad.append(item.name)
-        else:
-            accumulate_histogram_(counts, item.grad.to(device), period)
-    if bad:
-        return None, None, bad
-    shard = starting[0].shard
-    if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
-        counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(device)
-    active = int((counts > 0).sum())
-    warning = None
-    if active < CODEBOOK_SIZE - 1:
-        n_elements = sum(item.param.numel() for item in starting)
-        warning = (
-            f"Gefen learned its codebook from the first step's gradients of only {len(starting)} parameter(s) "
-            f"({n_elements} elements), which fill {active} of the 4096 histogram bins: the 8-bit first moment "
-            f"will have only about {active + 2} distinct levels for the whole run. Make the first step() see "
-            "representative gradients of all the parameters you train (the codebook is frozen after it)."
-        )
-    return fit_codebook(counts), warning, []

@@ -51,7 +51,7 @@ from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
 from gefen.optim._compiled import fused_step_
-from gefen.optim._first_step import checkable_in_histogram, learn_codebook, search_periods
+from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
     all_reduce_,
@@ -303,18 +303,17 @@ class Gefen(GefenOptimizer):
             return loss
         fresh = [(item, group) for group, work in zip(self.param_groups, plan) for item in work]
         fresh = [(item, group) for item, group in fresh if not self._has_state(item.param)]
-        unchecked = self._first_gradients_checked_later(plan) if fresh else frozenset()  # left to the histogram
-        periods, bad = search_periods(fresh, unchecked)
+        histogram = None
+        if fresh and self._codebook is None:  # learned from this step's first gradients, checking those left to it
+            histogram = FirstHistogram(self._first_gradients_checked_later(plan))
+        periods, bad = search_periods(fresh, histogram)
+        if bad:  # a first gradient the preflight left to the histogram: nothing has changed
+            self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(bad))))
+            return loss
         starting = [item for item, _ in fresh if id(item.param) in periods]
         codebook, codebook_warning = self._codebook, None
-        if codebook is None and starting:
-            codebook, codebook_warning, unusable = learn_codebook(starting, periods, unchecked)
-            bad += unusable
-        if bad:  # a first gradient the preflight left to these reads: nothing has changed
-            order = {item.name: k for k, (item, _) in enumerate(fresh)}
-            bad = self._apply_finite_policy(sorted(bad, key=order.__getitem__))
-            self._record_skip(StepSkip(nonfinite=True, names=tuple(bad)))
-            return loss
+        if histogram is not None and starting:
+            codebook, codebook_warning = histogram.codebook(starting)
         jobs = [
             (item, group)
             for group, work in zip(self.param_groups, plan)
@@ -573,7 +572,7 @@ class Gefen(GefenOptimizer):
 
     def _first_gradients_checked_later(self, plan: list[list[WorkItem]]) -> frozenset[int]:
         """The parameters whose first gradients the step checks in its codebook histogram instead of the
-        preflight (see :func:`gefen.optim._first_step.learn_codebook`): one read of them fewer in a first step.
+        preflight (see :class:`gefen.optim._first_step.FirstHistogram`): one read of them fewer in a first step.
 
         Those starting now with a native-checkable gradient (:func:`~gefen.optim._first_step.checkable_in_histogram`)
         while the codebook is still to be learned, under ``"skip"`` or ``"raise"``, not ``capturable``, and when
