@@ -319,3 +319,47 @@ def test_native_reduce_failure_changes_nothing() -> None:
         native.run_records([rec])
     assert torch.equal(p.detach(), param_before)
     assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values with NaN where the other has NaN (the payload of a NaN is not compared)."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.2, 0.999)], ids=["low_lerp", "high_lerp"])
+@pytest.mark.parametrize("factored", [False, True])
+def test_native_propagates_nan_and_inf_like_eager(level: str, betas, factored: bool) -> None:
+    """``nonfinite="propagate"``: gradients with NaN, +-Inf and finite values whose squares overflow fp32 go into the
+    step, and the next step starts from the poisoned magnitudes (NaN or Inf ``a_old``). The native kernel's fast
+    paths skip the per-element NaN test and the bucket clamp where they cannot matter (finite ``g`` and ``a_old``;
+    ``|u| <= 1``): codes, magnitudes and parameters must still equal the eager reference, NaN for NaN."""
+    native.force_level(level)
+    shape, period = (16, 128), 128
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(shape, generator=gen) * 0.1
+    ref_p, test_p = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "betas": betas, "factored_v_2d": factored, "nonfinite": "propagate"}
+    ref = gefen.Gefen([ref_p], backend="eager", **kwargs)
+    test = gefen.Gefen([test_p], backend="native", **kwargs)
+    for step in range(4):
+        g = _grad(shape, period, gen)
+        if step in (1, 2):  # rows are blocks: one poison per row, each at a different place in its block
+            g[1, 5], g[2, 70], g[3, 127], g[4, 64] = float("nan"), float("inf"), -float("inf"), 1e20
+            g[5, 0], g[6, 100] = -3e19, 2e38
+            g[1, 6], g[1, 90] = 50.0, -80.0  # a NaN block divides by 1: |u| > 1 beside the NaN
+        before = ref_p.detach().clone()
+        ref_p.grad, test_p.grad = g.clone(), g
+        ref.step()
+        test.step()
+        r, t = ParamState.from_dict(ref.state[ref_p]), ParamState.from_dict(test.state[test_p])
+        assert torch.equal(r.codes, t.codes), f"step {step}: codes differ"
+        assert _same(r.scale, t.scale), f"step {step}: magnitudes differ"
+        a, b = ref_p.detach(), test_p.detach()
+        finite = a.isfinite()
+        assert torch.equal(finite, b.isfinite()) and _same(a[~finite], b[~finite]), f"step {step}: NaN/Inf differ"
+        if finite.any():  # a factored moment is NaN everywhere once its mean is (torch's clamp_min keeps NaN)
+            update = (a[finite] - before[finite]).abs().max()  # the bound of _compare_steps (second-moment sums)
+            assert (a[finite] - b[finite]).abs().max() <= 1e-6 * update + _ulp(a[finite]).max(), f"step {step}"
+        _sync(test, ref, [test_p], [ref_p])
+    assert bool(r.scale[:7].isnan().any() or r.scale[:7].isinf().any())  # the poison reached the magnitudes

@@ -21,6 +21,7 @@
  *
  * The file is compiled with -ffp-contract=off: every fused multiply-add is written out.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,8 +50,8 @@
  * kind writes no parameter: fp32). */
 #define DISPATCH_KIND_DTYPE(a, CALL)                                                                                   \
     do {                                                                                                               \
-        if ((a)->kind == KIND_MOMENTUM) CALL(KIND_MOMENTUM, DT_F32);                                                       \
-        else if ((a)->kind == KIND_FACTORED) {                                                                             \
+        if ((a)->kind == KIND_MOMENTUM) CALL(KIND_MOMENTUM, DT_F32);                                                   \
+        else if ((a)->kind == KIND_FACTORED) {                                                                         \
             if ((a)->param_dtype == DT_F32) CALL(KIND_FACTORED, DT_F32);                                               \
             else if ((a)->param_dtype == DT_BF16) CALL(KIND_FACTORED, DT_BF16);                                        \
             else CALL(KIND_FACTORED, DT_F16);                                                                          \
@@ -136,7 +137,8 @@ static void task_range(const pool_job *job, int64_t k, int64_t n, int64_t *lo, i
     }
     const int64_t total = job->cost[job->tasks];
     *lo = k == 0 ? 0 : first_reaching(job->cost, job->tasks, total / n * k + total % n * k / n);
-    *hi = k == n - 1 ? job->tasks : first_reaching(job->cost, job->tasks, total / n * (k + 1) + total % n * (k + 1) / n);
+    *hi = k == n - 1 ? job->tasks
+                     : first_reaching(job->cost, job->tasks, total / n * (k + 1) + total % n * (k + 1) / n);
 }
 
 static void pool_worker(void *data) {
@@ -648,7 +650,7 @@ T5 static void pass2_avx512(const gefen_step_args *a, int64_t base, int64_t j0, 
  * is looked up for 64 uint8 indices by two vpermt2b (entries 0-127 and 128-255) and a blend on bit 7. The 4 planes
  * are re-assembled into floats by byte/word unpacks, which work inside 128-bit lanes; the indices are permuted
  * first (PERM64) so that the floats come out in element order. */
-#define TV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+#define TV __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")))
 
 typedef struct {
     __m512i p[4][4]; /* plane k, 64-byte part q (entries 64q .. 64q+63) */
@@ -705,9 +707,19 @@ struct vbmi_tables {
     int64_t steps;      /* compares after the bucket look-up (thresholds below 1 in one bucket, at most) */
 };
 
+/* The scale of the byte-shuffle buckets: the float just below nb / 2, so that u in [-1, 1] falls in bucket
+ * trunc(fma(u, H, H)) in [0, nb - 1] with no clamp (u = 1 gives 2H < nb). */
+static inline float vbmi_half(int64_t nb) { return nextafterf((float)(nb / 2), 0.0f); }
+/* The bucket of u (clamped: the table builder's and the clamping pass's rule; NaN -> 0). */
+static inline int64_t vbmi_bucket(float u, int64_t nb) {
+    const float h = vbmi_half(nb), t = fmaf(u, h, h);
+    return (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
+}
+
 /* A bucket table of its own for the byte-shuffle search: `buckets` uniform buckets (chosen per codebook for the
  * fewest shuffles: a larger table costs 4 more per 256 entries, each compare step about 22), base[b] = number of
- * thresholds whose bucket is below b. Any monotone bucket function gives the exact rule (see gefen.math.lookup). */
+ * thresholds whose bucket (vbmi_bucket) is below b. Any monotone bucket function gives the exact rule (see
+ * gefen.math.lookup). */
 TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
     vbmi_tables *vt = (vbmi_tables *)aligned_alloc(64, sizeof(vbmi_tables));
     if (!vt) return 0;
@@ -721,8 +733,7 @@ TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
         int64_t steps = 0;
         for (int i = 0; i < 255; i++) {
             if (!(thr[i] < 1.0f)) continue;
-            float t = (thr[i] + 1.0f) * (float)(nb / 2);
-            int64_t b = (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
+            int64_t b = vbmi_bucket(thr[i], nb);
             if (++count[b] > steps) steps = count[b];
         }
         int64_t cost = (nb / 256) * 4 + 22 * steps;
@@ -733,12 +744,7 @@ TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
         uint8_t base[1024];
         int i = 0;
         for (int64_t b = 0; b < nb; b++) { /* thresholds (all 255, +1 copies too) whose bucket is below b */
-            while (i < 255) {
-                float t = (thr[i] + 1.0f) * (float)(nb / 2);
-                int64_t tb = (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
-                if (tb >= b) break;
-                i++;
-            }
+            while (i < 255 && vbmi_bucket(thr[i], nb) < b) i++;
             base[b] = (uint8_t)i;
         }
         for (int64_t q = 0; q < nb / 256; q++)
@@ -780,11 +786,18 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
             __m512 d = _mm512_sub_ps(g, mo);
             __m512 m = _mm512_fmadd_ps(vw, d, high ? g : mo);
             _mm512_storeu_ps(buf + j + 16 * k, m);
-            nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(m));
+            mx = _mm512_range_ps(mx, m, 0x0B); /* max(mx, |m|): the larger magnitude, sign cleared; skips NaN */
             acc = _mm512_fmadd_ps(g, g, acc);
         }
     }
+    /* A NaN m needs a non-finite g (then a lane of acc is NaN or inf) or a non-finite m_old = c * a_old: only then
+     * are the m of this loop looked at again. */
+    const __mmask16 finite_acc = _mm512_cmp_ps_mask(_mm512_sub_ps(acc, acc), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    if (j && !(fabsf(a_old) <= FLT_MAX && finite_acc == 0xFFFF))
+        for (int64_t i = 0; i < j; i += 16) {
+            const __m512 m = _mm512_loadu_ps(buf + i);
+            nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        }
     const int64_t full = P - P % 16;
     pass1_lanes16(a, base, j, full, a_old, buf, &mx, &acc, &nan);
     return pass1_finish512(a, base, full, P, a_old, buf, mx, acc, nan, sq);
@@ -824,7 +837,7 @@ TV static inline __attribute__((always_inline)) __m512 divide16(__m512 m, __m512
 TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0,
                                       int64_t j1, const float *buf, float denom, float amag, float s,
                                       const float *col_root, float row_root, int64_t c0, const int kind,
-                                      const int pdt, const int buckets, const int markstein) {
+                                      const int pdt, const int buckets, const int markstein, const int clamp) {
     uint8_t *const codes = a->codes;
     float *const out = a->out;
     void *const param = a->param;
@@ -833,29 +846,30 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
     const __m512 vinv = _mm512_set1_ps(1.0f / denom);
     const __m512 vrow = _mm512_set1_ps(row_root), veps = _mm512_set1_ps(a->eps);
     const __m512 vdecay = _mm512_set1_ps(a->decay), vstep = _mm512_set1_ps(a->step);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i zero = _mm512_setzero_si512(), ones8 = _mm512_set1_epi8(1);
-    const __m512 half_buckets = _mm512_set1_ps((float)(buckets / 2));
-    const __m512i last = _mm512_set1_epi32(buckets - 1), bit8 = _mm512_set1_epi32(256);
-    const __m512i bit9 = _mm512_set1_epi32(512), byte = _mm512_set1_epi32(255);
+    const __m512i zero = _mm512_setzero_si512(), ones8 = _mm512_set1_epi8(1), twos8 = _mm512_set1_epi8(2);
+    const __m512 half = _mm512_set1_ps(vbmi_half(buckets));
+    const __m512i last = _mm512_set1_epi32(buckets - 1), byte = _mm512_set1_epi16(255);
     int64_t j = j0;
     for (; j + 64 <= j1; j += 64) {
         __m512 u[4];
-        __m512i low[4];
-        __mmask16 m8[4], m9[4];
+        __m512i b[4];
         UNROLL4
         for (int k = 0; k < 4; k++) {
             u[k] = quotient16(_mm512_loadu_ps(buf + j + 16 * k), vden, vinv, markstein);
-            __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u[k], one), half_buckets));
-            b = _mm512_min_epi32(_mm512_max_epi32(b, zero), last); /* NaN -> INT_MIN -> 0 */
-            low[k] = buckets > 256 ? _mm512_and_si512(b, byte) : b;
-            m8[k] = _mm512_test_epi32_mask(b, bit8);
-            m9[k] = _mm512_test_epi32_mask(b, bit9);
+            b[k] = _mm512_cvttps_epi32(_mm512_fmadd_ps(u[k], half, half)); /* |u| <= 1: [0, buckets); NaN: INT_MIN */
+            if (clamp) b[k] = _mm512_min_epi32(_mm512_max_epi32(b[k], zero), last); /* u beyond [-1, 1] */
         }
-        /* the low bytes of the 64 buckets: the in-lane packs leave them in perm64 order, which perm64 undoes */
-        const __m512i key = perm64(_mm512_packus_epi16(_mm512_packus_epi32(low[0], low[1]),
-                                                       _mm512_packus_epi32(low[2], low[3])));
-        const __mmask64 hi8 = join4(m8), hi9 = join4(m9);
+        /* 16-bit buckets by unsigned saturation (INT_MIN -> 0), then their low bytes and (512 or 1024 buckets)
+         * their high bits as bytes: the in-lane packs leave them in perm64 order, which perm64 undoes */
+        const __m512i w01 = _mm512_packus_epi32(b[0], b[1]), w23 = _mm512_packus_epi32(b[2], b[3]);
+        __m512i key, hi = zero;
+        if (buckets > 256) {
+            key = perm64(_mm512_packus_epi16(_mm512_and_si512(w01, byte), _mm512_and_si512(w23, byte)));
+            hi = perm64(_mm512_packus_epi16(_mm512_srli_epi16(w01, 8), _mm512_srli_epi16(w23, 8)));
+        } else {
+            key = perm64(_mm512_packus_epi16(w01, w23));
+        }
+        const __mmask64 hi8 = _mm512_test_epi8_mask(hi, ones8), hi9 = _mm512_test_epi8_mask(hi, twos8);
         __m512i idx = bytes256(vt->base[0], key);
         if (buckets >= 512) idx = _mm512_mask_blend_epi8(hi8, idx, bytes256(vt->base[1], key));
         if (buckets >= 1024) {
@@ -899,14 +913,17 @@ TV static INLINE void pass2_vbmi_body(const gefen_step_args *a, const vbmi_table
 TV static void pass2_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t j0, int64_t j1,
                           const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
                           int64_t c0) {
-    /* u = m / denom by Markstein's correction where denom allows it (a compile-time branch of the loop) */
-    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
+    /* u = m / denom by Markstein's correction where denom allows it (a compile-time branch of the loop). Every
+     * |u| <= 1 unless the block's max |m| was NaN (then denom = 1): only then are the buckets clamped. */
+    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f, clamp = !(amag >= 0.0f);
 #define P2(kind, pdt, nb)                                                                                              \
     do {                                                                                                               \
-        if (markstein)                                                                                                 \
-            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 1);       \
+        if (clamp)                                                                                                     \
+            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 0, 1);    \
+        else if (markstein)                                                                                            \
+            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 1, 0);    \
         else                                                                                                           \
-            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 0);       \
+            pass2_vbmi_body(a, vt, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, nb, 0, 0);    \
     } while (0)
 #define P2_NB(kind, pdt)                                                                                               \
     do {                                                                                                               \
@@ -926,12 +943,12 @@ static int g_forced_level = -1;
 int gefen_cpu_level(void) {
 #if GEFEN_X86 && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
+    /* DQ: vrangeps (VBMI pass 1) and the period and k-means paths; every AVX-512 CPU with BW and VL has it */
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (avx512 && __builtin_cpu_supports("avx512vbmi")) return LEVEL_VBMI;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return LEVEL_AVX512;
+    if (avx512) return LEVEL_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return LEVEL_AVX2;
 #endif
@@ -997,12 +1014,13 @@ static void block_task(const void *ctx_, int64_t task, int64_t thread) {
             while (j < P) {
                 int64_t e = base + j, r = e / C, c = e - r * C;
                 int64_t len = C - c < P - j ? C - c : P - j;
+                const float row_root = ctx->row_root[r];
 #if GEFEN_X86
-                if (vt) pass2_vbmi(a, vt, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
-                else if (et) pass2_avx2e(a, et, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+                if (vt) pass2_vbmi(a, vt, base, j, j + len, buf, denom, amag, s, ctx->col_root, row_root, c);
+                else if (et) pass2_avx2e(a, et, base, j, j + len, buf, denom, amag, s, ctx->col_root, row_root, c);
                 else
 #endif
-                    p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, ctx->row_root[r], c);
+                    p2(a, base, j, j + len, buf, denom, amag, s, ctx->col_root, row_root, c);
                 j += len;
             }
         } else {
@@ -1183,7 +1201,8 @@ T2 static int usable_avx2(const gefen_step_args *a, int64_t i0, int64_t i1) {
     __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     int64_t i = i0;
     for (; i + 8 <= i1; i += 8)
-        ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(ld8(a->grad, i, a->grad_dtype), absmask), bound, _CMP_LE_OQ));
+        ok = _mm256_and_ps(ok,
+                           _mm256_cmp_ps(_mm256_and_ps(ld8(a->grad, i, a->grad_dtype), absmask), bound, _CMP_LE_OQ));
     return _mm256_movemask_ps(ok) == 0xff && usable_scalar(a, i, i1);
 }
 #endif
@@ -1334,7 +1353,8 @@ static void factored_roots(const gefen_step_args *a, param_plan *plan, double to
         col_root[c] = sqrtf(v);
     }
     float mean = (float)(total / (double)R_all);
-    float normaliser = (mean > 1.1754943508222875e-38f ? mean : 1.1754943508222875e-38f) * a->bc2;
+    /* torch's clamp_min: a NaN mean (a NaN gradient under nonfinite="propagate") stays NaN */
+    float normaliser = (!(mean < 1.1754943508222875e-38f) ? mean : 1.1754943508222875e-38f) * a->bc2;
     for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
 }
 
