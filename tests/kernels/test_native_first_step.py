@@ -83,14 +83,25 @@ def _torch_histogram(g: torch.Tensor, period: int) -> torch.Tensor:
     "shape,period", [((1,), 1), ((7,), 7), ((64, 64), 1), ((1000, 7), 7), ((513, 129), 129), ((300, 4096), 4096)]
 )
 def test_native_histogram_equals_the_torch_reference(shape, period) -> None:
+    """Every CPU path (the AVX-512 one divides by Markstein's correction within [2^-64, 2^64] and truly outside it:
+    block scales from 2^-140, subnormal maxima, to 2^90 take both) gives the torch reference's counts."""
     gen = torch.Generator().manual_seed(period)
     g = torch.randn(shape, generator=gen) * torch.exp(3 * torch.randn(shape, generator=gen))
+    blocks = g.view(-1, period)
+    scales = torch.tensor([2.0**-140, 2.0**-70, 2.0**-64, 2.0**64, 2.0**70, 2.0**90])
+    blocks[2 : 2 + len(scales)] *= scales[: max(0, blocks.shape[0] - 2), None]
     g.view(-1)[: period * 2] = 0.0  # all-zero blocks divide by 1
     g.view(-1)[-1] = -g.abs().max()  # a block maximum that is negative
+    assert bool(torch.isfinite(g).all())
     expected = _torch_histogram(g, period)
-    counts = torch.full((HISTOGRAM_BINS,), 3, dtype=torch.int64)
-    codebook.accumulate_histogram_(counts, g, period)
-    torch.testing.assert_close(counts - 3, expected, rtol=0, atol=0)
+    for level in _native_levels():
+        native.force_level(level)
+        try:
+            counts = torch.full((HISTOGRAM_BINS,), 3, dtype=torch.int64)
+            codebook.accumulate_histogram_(counts, g, period)
+        finally:
+            native.force_level(None)
+        torch.testing.assert_close(counts - 3, expected, rtol=0, atol=0, msg=level)
     assert int(expected.sum()) == g.numel()
 
 

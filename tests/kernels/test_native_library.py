@@ -344,15 +344,19 @@ ASAN_SCRIPT = textwrap.dedent(
     native.force_level(None)
     from gefen.math import codebook as cbm
     native_histogram = cbm._native_histogram_
-    for n, period in ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071)):
+    sizes = ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071))
+    for level, (n, period) in [(level, size) for level in levels for size in sizes]:
+        native.force_level(level)
         g, counts, expected = torch.randn(n, generator=gen), torch.zeros(4096, dtype=torch.int64), torch.zeros(
             4096, dtype=torch.int64)
+        g[: n // 2] *= 2.0**-100  # blocks beyond Markstein's range too
         assert native.histogram_(counts, g, period)
         cbm._native_histogram_ = lambda *args: False  # the torch reference (counts moved out of uint32 every 1500)
         cbm.accumulate_histogram_(expected, g, period)
         cbm._native_histogram_ = native_histogram
         assert torch.equal(counts, expected)
         cases += 1
+    native.force_level(None)
     # the period search's scores: every CPU path, chunk and lane tails, own and caller's (exactly sized) scratch
     from gefen.math.period import divisors
     for level in levels:

@@ -308,7 +308,7 @@ typedef struct {
     int64_t period, blocks_per_task, blocks;
     float bound;          /* > 0: a block whose max |g| exceeds it is refused like a non-finite one */
     hist_counts *partial; /* (threads,) */
-    int avx2;
+    int avx2, avx512;
 } hist_ctx;
 
 static void hist_flush(hist_counts *c) {
@@ -325,6 +325,48 @@ __attribute__((target("avx2"))) static int64_t hist_bins_avx2(const float *x, in
         __m256 u = _mm256_div_ps(_mm256_loadu_ps(x + i), va);
         __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), scale)); /* >= 0: trunc = floor */
         _mm256_storeu_si256((__m256i *)(bins + i), _mm256_min_epi32(_mm256_max_epi32(b, zero), top));
+    }
+    return i;
+}
+
+/* AVX-512: max |x| as the unsigned maximum of the bit patterns with the sign cleared (the order of the magnitudes
+ * for finite values; an infinity or a NaN is above every finite one), and u = x / a by Markstein's correction of
+ * x * (1/a), the correctly rounded quotient (true division outside [2^-64, 2^64]), as the VBMI step divides. The
+ * bin: fma(u, 2048, 2048) = (u + 1) * 2048 exactly (scaling by a power of two commutes with rounding), in
+ * [0, 4096] as |u| <= 1 (the clamp at 0 only keeps every index in bounds whatever happens). */
+#define T512H __attribute__((target("avx512f,avx512dq")))
+T512H static int hist_max_avx512(const float *x, int64_t n, float *a) {
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    __m512i mx = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(x + i), absmask));
+    uint32_t m = _mm512_reduce_max_epu32(mx);
+    for (; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, 4);
+        b &= 0x7fffffffu;
+        m = b > m ? b : m;
+    }
+    memcpy(a, &m, 4);
+    return m <= 0x7f7fffffu; /* FLT_MAX's pattern: above it lie the infinities and the NaNs */
+}
+
+T512H static int64_t hist_bins_avx512(const float *x, int64_t n, float a, int32_t *bins) {
+    const __m512 va = _mm512_set1_ps(a), inv = _mm512_set1_ps(1.0f / a), scale = _mm512_set1_ps(2048.0f);
+    const __m512i top = _mm512_set1_epi32(4095), zero = _mm512_setzero_si512();
+    const int markstein = a >= 0x1p-64f && a <= 0x1p64f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        __m512 u;
+        if (markstein) {
+            const __m512 q = _mm512_mul_ps(v, inv);
+            u = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, va, v), inv, q);
+        } else {
+            u = _mm512_div_ps(v, va);
+        }
+        const __m512i b = _mm512_cvttps_epi32(_mm512_fmadd_ps(u, scale, scale));
+        _mm512_storeu_si512(bins + i, _mm512_min_epi32(_mm512_max_epi32(b, zero), top)); /* max: bounds only */
     }
     return i;
 }
@@ -377,7 +419,9 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
         const float *x = h->g + b * h->period;
         float a = 0.0f;
 #if GEFEN_X86
-        const int finite = h->avx2 ? hist_max_avx2(x, h->period, &a) : hist_max_scalar(x, h->period, &a);
+        const int finite = h->avx512 ? hist_max_avx512(x, h->period, &a)
+                           : h->avx2 ? hist_max_avx2(x, h->period, &a)
+                                     : hist_max_scalar(x, h->period, &a);
 #else
         const int finite = hist_max_scalar(x, h->period, &a);
 #endif
@@ -392,7 +436,8 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
             c->pending += n;
             int64_t i = 0;
 #if GEFEN_X86
-            if (h->avx2) i = hist_bins_avx2(x + j, n, a, bins);
+            if (h->avx512) i = hist_bins_avx512(x + j, n, a, bins);
+            else if (h->avx2) i = hist_bins_avx2(x + j, n, a, bins);
 #endif
             for (; i < n; i++) {
                 float t = (x[j + i] / a + 1.0f) * 2048.0f;
@@ -415,7 +460,8 @@ int gefen_histogram(const float *g, int64_t numel, int64_t period, int64_t *coun
     const int64_t blocks = numel / period;
     int64_t per_task = TASK_ELEMENTS / period;
     if (per_task < 1) per_task = 1;
-    hist_ctx h = {g, period, per_task, blocks, bound, partial, active_level() >= LEVEL_AVX2};
+    hist_ctx h = {g, period, per_task, blocks, bound, partial, active_level() >= LEVEL_AVX2,
+                  active_level() >= LEVEL_AVX512};
     parallel_for_cost((blocks + per_task - 1) / per_task, threads, hist_task, &h, 0);
     int rc = OK;
     for (int64_t t = 0; t < threads; t++)
