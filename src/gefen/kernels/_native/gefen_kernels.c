@@ -765,8 +765,12 @@ TV static inline __m512i bytes256(const __m512i t[4], __m512i idx) {
 #define PREFETCH_ELEMENTS 1024
 #endif
 /* Pass 1 of a block, 64 elements at a time; gdt and high are compile-time constants at every call site below. */
+/* zero: a_old == 0 (a new parameter's first step, or an all-zero first moment): m_old = code * 0 is +-0 for every
+ * code, so the codes are not read and m_old = +0 is used. m then differs at most in the sign of a zero, which
+ * neither max |m| nor the nearest code (u = +-0 compare alike) can see. */
 TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P,
-                                       float a_old, float *buf, float *sq, const int gdt, const int high) {
+                                       float a_old, float *buf, float *sq, const int gdt, const int high,
+                                       const int zero) {
     const float wv = a->w;
     const __m512 vw = _mm512_set1_ps(high ? wv - 1.0f : wv), vold = _mm512_set1_ps(a_old);
     const uint8_t *codes = a->codes + base;
@@ -775,14 +779,17 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
     __mmask16 nan = 0;
     int64_t j = 0;
     for (; j + 64 <= P; j += 64) {
-        __m512 c[4];
-        _mm_prefetch((const char *)(codes + j + PREFETCH_ELEMENTS), _MM_HINT_T0);
-        lookup64(&vt->codebook, perm64(_mm512_loadu_si512((const void *)(codes + j))), &c[0], &c[1], &c[2], &c[3]);
+        __m512 c[4] = {vold, vold, vold, vold};
+        if (!zero) {
+            _mm_prefetch((const char *)(codes + j + PREFETCH_ELEMENTS), _MM_HINT_T0);
+            lookup64(&vt->codebook, perm64(_mm512_loadu_si512((const void *)(codes + j))), &c[0], &c[1], &c[2],
+                     &c[3]);
+        }
         UNROLL4
         for (int k = 0; k < 4; k++) {
             _mm_prefetch(grad + (j + 16 * k + PREFETCH_ELEMENTS) * (gdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
             __m512 g = ld16(grad, j + 16 * k, gdt);
-            __m512 mo = _mm512_mul_ps(c[k], vold);
+            __m512 mo = zero ? _mm512_setzero_ps() : _mm512_mul_ps(c[k], vold);
             __m512 d = _mm512_sub_ps(g, mo);
             __m512 m = _mm512_fmadd_ps(vw, d, high ? g : mo);
             _mm512_storeu_ps(buf + j + 16 * k, m);
@@ -806,13 +813,23 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
 TV static float pass1_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P, float a_old,
                            float *buf, float *sq) {
     const int high = a->lerp_high != 0;
+    if (a_old == 0.0f) {
+        switch (a->grad_dtype * 2 + high) {
+        case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0, 1);
+        case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1, 1);
+        case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0, 1);
+        case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1, 1);
+        case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0, 1);
+        default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1, 1);
+        }
+    }
     switch (a->grad_dtype * 2 + high) {
-    case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0);
-    case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1);
-    case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0);
-    case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1);
-    case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0);
-    default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1);
+    case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0, 0);
+    case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1, 0);
+    case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0, 0);
+    case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1, 0);
+    case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0, 0);
+    default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1, 0);
     }
 }
 
