@@ -25,7 +25,7 @@ from gefen.compiled import (
 )
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float
-from gefen.kernels import auto_backend, group_backend, native_supports
+from gefen.kernels import auto_backend, group_backend, native_status, native_supports
 from gefen.math.codebook import (
     zero_code_index,
 )
@@ -237,6 +237,8 @@ class Gefen(GefenOptimizer):
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         backend = group_backend(group)
+        if backend == "auto" and any(tensor.device.type == "cpu" for tensor in tensors):
+            native_status()  # load the native library now (~1 ms, once per process), not inside the first step
         if backend == "native":
             for i, tensor in enumerate(tensors):
                 reason = native_supports(tensor, tensor.dtype)
