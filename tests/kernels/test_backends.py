@@ -70,8 +70,10 @@ def _grad(shape: tuple[int, ...], period: int | None, gen: torch.Generator) -> t
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
     """One unit in the last place of each element of ``x`` in its own dtype, as fp32."""
-    return (torch.nextafter(x.float().abs().to(x.dtype), torch.tensor(float("inf"), dtype=x.dtype)).float()
-            - x.float().abs())
+    return (
+        torch.nextafter(x.float().abs().to(x.dtype), torch.tensor(float("inf"), dtype=x.dtype)).float()
+        - x.float().abs()
+    )
 
 
 def _second(view: ParamState) -> list[torch.Tensor]:
@@ -211,18 +213,35 @@ def test_native_rows_of_a_sharded_parameter_equal_the_whole(level: str) -> None:
     table = opt._nearest_table(torch.device("cpu"))
     tables = (table.codebook, table.lut, table.thresholds)
     grad = _grad((24, 64), 64, gen)
-    whole = {"param": p.detach().clone(), "codes": view.codes.clone(), "scale": view.scale.clone(),
-             "v": view.second_moment.clone()}
+    whole = {
+        "param": p.detach().clone(),
+        "codes": view.codes.clone(),
+        "scale": view.scale.clone(),
+        "v": view.second_moment.clone(),
+    }
     rows = {k: v.clone() for k, v in whole.items()}
     period = view.period
     per_row = 64 // period
 
     def run(state: dict[str, torch.Tensor], lo: int, hi: int) -> None:
         b0, b1 = lo * per_row, hi * per_row
-        native.native_step("block", grad=grad[lo:hi].reshape(-1), codes=state["codes"][b0:b1],
-                           scale=state["scale"][b0:b1], tables=tables, steps=table.steps, period=period, beta1=0.9,
-                           param=state["param"][lo:hi].reshape(-1), second=(state["v"][b0:b1],), beta2=0.999,
-                           eps=1e-8, lr=1e-2, weight_decay=0.1, step=2)
+        native.native_step(
+            "block",
+            grad=grad[lo:hi].reshape(-1),
+            codes=state["codes"][b0:b1],
+            scale=state["scale"][b0:b1],
+            tables=tables,
+            steps=table.steps,
+            period=period,
+            beta1=0.9,
+            param=state["param"][lo:hi].reshape(-1),
+            second=(state["v"][b0:b1],),
+            beta2=0.999,
+            eps=1e-8,
+            lr=1e-2,
+            weight_decay=0.1,
+            step=2,
+        )
 
     run(whole, 0, 24)
     for lo, hi in ((0, 9), (9, 17), (17, 24)):  # uneven shards, as on 3 ranks
@@ -250,16 +269,39 @@ def test_native_factored_rows_with_the_reduce_equal_the_whole(level: str) -> Non
     per_row = cols // view.period
 
     def state() -> dict[str, torch.Tensor]:
-        return {"param": p.detach().clone(), "codes": view.codes.clone(), "scale": view.scale.clone(),
-                "v_row": view.second_moment_row.clone(), "v_col": view.second_moment_col.clone()}
+        return {
+            "param": p.detach().clone(),
+            "codes": view.codes.clone(),
+            "scale": view.scale.clone(),
+            "v_row": view.second_moment_row.clone(),
+            "v_col": view.second_moment_col.clone(),
+        }
 
     def record(st: dict[str, torch.Tensor], lo: int, hi: int, global_rows: int = 0, offset: int = 0):
         b0, b1 = lo * per_row, hi * per_row
-        call = dict(grad=grad[lo:hi].reshape(-1), codes=st["codes"][b0:b1], scale=st["scale"][b0:b1], tables=tables,
-                    steps=table.steps, period=view.period, param=st["param"][lo:hi].reshape(-1),
-                    second=(st["v_row"][lo:hi], st["v_col"]), shape=(hi - lo, cols))
-        return native.record("factored", **call, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.1,
-                             step=2, global_rows=global_rows, reduce_offset=offset), call
+        call = dict(
+            grad=grad[lo:hi].reshape(-1),
+            codes=st["codes"][b0:b1],
+            scale=st["scale"][b0:b1],
+            tables=tables,
+            steps=table.steps,
+            period=view.period,
+            param=st["param"][lo:hi].reshape(-1),
+            second=(st["v_row"][lo:hi], st["v_col"]),
+            shape=(hi - lo, cols),
+        )
+        return native.record(
+            "factored",
+            **call,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            lr=1e-2,
+            weight_decay=0.1,
+            step=2,
+            global_rows=global_rows,
+            reduce_offset=offset,
+        ), call
 
     whole = state()
     rec, keep = record(whole, 0, rows)
@@ -300,10 +342,25 @@ def test_native_reduce_failure_changes_nothing() -> None:
     table = opt._nearest_table(torch.device("cpu"))
     before = {k: v.clone() for k, v in opt.state[p].items()}
     param_before = p.detach().clone()
-    rec = native.record("factored", grad=torch.randn(1200, generator=gen), codes=view.codes, scale=view.scale,
-                        tables=(table.codebook, table.lut, table.thresholds), steps=table.steps, period=view.period,
-                        beta1=0.9, param=p.detach().view(-1), second=(view.second_moment_row, view.second_moment_col),
-                        shape=(30, 40), beta2=0.999, eps=1e-8, lr=1e-2, step=2, global_rows=60, reduce_offset=0)
+    rec = native.record(
+        "factored",
+        grad=torch.randn(1200, generator=gen),
+        codes=view.codes,
+        scale=view.scale,
+        tables=(table.codebook, table.lut, table.thresholds),
+        steps=table.steps,
+        period=view.period,
+        beta1=0.9,
+        param=p.detach().view(-1),
+        second=(view.second_moment_row, view.second_moment_col),
+        shape=(30, 40),
+        beta2=0.999,
+        eps=1e-8,
+        lr=1e-2,
+        step=2,
+        global_rows=60,
+        reduce_offset=0,
+    )
 
     def other_rank_failed(b: torch.Tensor) -> None:
         b[-1] += 1.0

@@ -106,14 +106,41 @@ def test_native_step_matches_the_reference(case) -> None:
     out_nat = torch.empty(case["numel"]) if kind == "momentum" else None
     ref = [codes.clone(), scale.clone(), param.clone(), [s.clone() for s in second]]
     nat = [codes.clone(), scale.clone(), param.clone(), [s.clone() for s in second]]
-    common = {"period": case["period"], "beta1": case["beta1"], "shape": case["shape"], "beta2": 0.999,
-              "eps": 1e-8, "lr": 1e-2, "weight_decay": 0.1, "step": case["step"]}
-    reference_step(kind, grad=grad, codes=ref[0], scale=ref[1], table=table,
-                   param=None if kind == "momentum" else ref[2], second=tuple(ref[3]), out=out_ref, **common)
+    common = {
+        "period": case["period"],
+        "beta1": case["beta1"],
+        "shape": case["shape"],
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "lr": 1e-2,
+        "weight_decay": 0.1,
+        "step": case["step"],
+    }
+    reference_step(
+        kind,
+        grad=grad,
+        codes=ref[0],
+        scale=ref[1],
+        table=table,
+        param=None if kind == "momentum" else ref[2],
+        second=tuple(ref[3]),
+        out=out_ref,
+        **common,
+    )
     native.force_level(case["level"])
     try:
-        native.native_step(kind, grad=grad, codes=nat[0], scale=nat[1], tables=_tables(table), steps=table.steps,
-                           param=None if kind == "momentum" else nat[2], second=tuple(nat[3]), out=out_nat, **common)
+        native.native_step(
+            kind,
+            grad=grad,
+            codes=nat[0],
+            scale=nat[1],
+            tables=_tables(table),
+            steps=table.steps,
+            param=None if kind == "momentum" else nat[2],
+            second=tuple(nat[3]),
+            out=out_nat,
+            **common,
+        )
     finally:
         native.force_level(None)
     assert torch.equal(ref[0], nat[0]), "codes"
@@ -124,7 +151,7 @@ def test_native_step_matches_the_reference(case) -> None:
     for a, b in zip(ref[3], nat[3]):  # second moments: summation order only (see test_backends.py)
         assert torch.allclose(a, b, rtol=2e-6, atol=0.0), (a - b).abs().max()
     update = (ref[2].float() - param.float()).abs().max()
-    ulp = (torch.nextafter(ref[2].abs(), torch.tensor(float("inf"), dtype=ref[2].dtype)).float() - ref[2].float().abs())
+    ulp = torch.nextafter(ref[2].abs(), torch.tensor(float("inf"), dtype=ref[2].dtype)).float() - ref[2].float().abs()
     bound = 2e-6 * update + ulp.max()
     assert (ref[2].float() - nat[2].float()).abs().max() <= bound
 
@@ -134,8 +161,17 @@ def test_native_step_refuses_arguments_that_do_not_fit() -> None:
     table = TABLES[0]
     grad, codes, scale = torch.randn(64), torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(8)
     param, v = torch.randn(64), torch.zeros(8)
-    good = {"grad": grad, "codes": codes, "scale": scale, "tables": _tables(table), "steps": table.steps,
-            "period": 8, "beta1": 0.9, "param": param, "second": (v,)}
+    good = {
+        "grad": grad,
+        "codes": codes,
+        "scale": scale,
+        "tables": _tables(table),
+        "steps": table.steps,
+        "period": 8,
+        "beta1": 0.9,
+        "param": param,
+        "second": (v,),
+    }
     bad = [
         ({"period": 7}, "period 7 must divide"),
         ({"scale": torch.zeros(7)}, "scale has 7 elements"),
@@ -169,19 +205,33 @@ def unusable_cases(draw):
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["block", "factored", "momentum"]))
         rows, cols = draw(st.integers(1, 24)), draw(st.integers(1, 70))
-        injections = draw(st.lists(st.tuples(st.integers(0, rows * cols - 1),
-                                             st.sampled_from(["nan", "inf", "-inf", "at", "above", "huge", "ok"])),
-                                   max_size=2))
-        records.append({"kind": kind, "shape": (rows, cols), "gdt": draw(st.sampled_from(DTYPES)),
-                        "injections": injections})
+        injections = draw(
+            st.lists(
+                st.tuples(
+                    st.integers(0, rows * cols - 1),
+                    st.sampled_from(["nan", "inf", "-inf", "at", "above", "huge", "ok"]),
+                ),
+                max_size=2,
+            )
+        )
+        records.append(
+            {"kind": kind, "shape": (rows, cols), "gdt": draw(st.sampled_from(DTYPES)), "injections": injections}
+        )
     return {"records": records, "level": draw(st.sampled_from(LEVELS)), "seed": draw(st.integers(0, 2**31 - 1))}
 
 
 def _injected(value: str, numel: int, dtype: torch.dtype) -> float:
     bound = native.as_float32(gefen.amp.usable_bound(numel))
     above = torch.nextafter(torch.tensor(bound), torch.tensor(float("inf"))).item()
-    return {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "at": -bound, "above": above,
-            "huge": 1e19, "ok": 0.5}[value]
+    return {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "-inf": -float("inf"),
+        "at": -bound,
+        "above": above,
+        "huge": 1e19,
+        "ok": 0.5,
+    }[value]
 
 
 @needs_library
@@ -200,18 +250,43 @@ def test_native_usability_check_flags_exactly_what_the_preflight_flags_and_chang
         for position, value in spec["injections"]:
             grad[position] = _injected(value, n, spec["gdt"])
         kind = spec["kind"]
-        st_ = {"grad": grad, "codes": torch.randint(0, 256, (n // cols, cols), generator=gen, dtype=torch.uint8),
-               "scale": torch.rand(n // cols, generator=gen), "param": torch.randn(n, generator=gen)}
-        second = {"block": (torch.rand(n // cols, generator=gen),),
-                  "factored": (torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)), "momentum": ()}[kind]
+        st_ = {
+            "grad": grad,
+            "codes": torch.randint(0, 256, (n // cols, cols), generator=gen, dtype=torch.uint8),
+            "scale": torch.rand(n // cols, generator=gen),
+            "param": torch.randn(n, generator=gen),
+        }
+        second = {
+            "block": (torch.rand(n // cols, generator=gen),),
+            "factored": (torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)),
+            "momentum": (),
+        }[kind]
         out = torch.zeros(n) if kind == "momentum" else None
         counter = torch.tensor(7, dtype=torch.int64)  # the library advances it only when the call is applied
         tensors.append([t for t in (*st_.values(), *second, out, counter) if t is not None])
-        records.append(native.record(kind, grad=grad, codes=st_["codes"], scale=st_["scale"], tables=_tables(table),
-                                     steps=table.steps, period=cols, beta1=0.9, shape=(rows, cols), beta2=0.999,
-                                     eps=1e-8, lr=1e-2, weight_decay=0.1, step=3,
-                                     param=None if kind == "momentum" else st_["param"], second=second, out=out,
-                                     grad_bound=native.as_float32(gefen.amp.usable_bound(n)), counter=counter))
+        records.append(
+            native.record(
+                kind,
+                grad=grad,
+                codes=st_["codes"],
+                scale=st_["scale"],
+                tables=_tables(table),
+                steps=table.steps,
+                period=cols,
+                beta1=0.9,
+                shape=(rows, cols),
+                beta2=0.999,
+                eps=1e-8,
+                lr=1e-2,
+                weight_decay=0.1,
+                step=3,
+                param=None if kind == "momentum" else st_["param"],
+                second=second,
+                out=out,
+                grad_bound=native.as_float32(gefen.amp.usable_bound(n)),
+                counter=counter,
+            )
+        )
         named.append((str(i), grad))
     expected = [int(name) for name in gefen.amp.unusable_names(named)]
     before = [[t.clone() for t in ts] for ts in tensors]
@@ -410,12 +485,30 @@ def test_native_library_under_address_sanitizer(tmp_path: Path) -> None:
     assert libasan is not None, f"{compiler} has no libasan.so"
     library = tmp_path / native.library_filename()
     subprocess.run(
-        [compiler, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-ffp-contract=off", "-fPIC",
-         "-DHIST_FLUSH_ELEMENTS=1500", "-shared", "-o", str(library), str(SOURCE), "-lm"],
+        [
+            compiler,
+            "-O1",
+            "-g",
+            "-fsanitize=address",
+            "-fno-omit-frame-pointer",
+            "-ffp-contract=off",
+            "-fPIC",
+            "-DHIST_FLUSH_ELEMENTS=1500",
+            "-shared",
+            "-o",
+            str(library),
+            str(SOURCE),
+            "-lm",
+        ],
         check=True,
     )
-    env = {**os.environ, "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
-           native.LIBRARY_ENV: str(library), "PYTHONPATH": str(ROOT / "src")}
+    env = {
+        **os.environ,
+        "LD_PRELOAD": libasan,
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+        native.LIBRARY_ENV: str(library),
+        "PYTHONPATH": str(ROOT / "src"),
+    }
     result = subprocess.run([sys.executable, "-c", ASAN_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert "AddressSanitizer" not in result.stderr, result.stderr[-4000:]
     assert result.returncode == 0, result.stderr[-4000:]
@@ -453,7 +546,9 @@ def test_without_the_library_auto_falls_back_with_one_warning_and_native_refuses
     result = subprocess.run(
         [sys.executable, "-c", FALLBACK_SCRIPT],
         env={**os.environ, **env, "PYTHONPATH": str(ROOT / "src")},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "STATUS False" in result.stdout

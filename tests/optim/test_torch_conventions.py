@@ -79,7 +79,7 @@ def test_a_scheduler_made_before_the_load_does_not_make_the_checkpoint_edited(ki
     _train(model, opt, range(2))
     saved = _roundtrip(opt.state_dict())
     fresh = _build(kind, copy.deepcopy(model).named_parameters(), weight_decay=0.5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 0.5 ** step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 0.5**step)
     assert all("initial_lr" in g for g in fresh.param_groups)
     fresh.load_state_dict(saved)
     assert all(g["initial_lr"] == 1e-2 for g in fresh.param_groups)  # the live key is kept

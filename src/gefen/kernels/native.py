@@ -388,8 +388,17 @@ def native_step(
     """
     _require()
     check_arguments(
-        kind, grad=grad, codes=codes, scale=scale, tables=tables, steps=steps, period=period, param=param,
-        second=second, out=out, shape=shape,
+        kind,
+        grad=grad,
+        codes=codes,
+        scale=scale,
+        tables=tables,
+        steps=steps,
+        period=period,
+        param=param,
+        second=second,
+        out=out,
+        shape=shape,
     )
     run_records(
         [
@@ -578,9 +587,7 @@ def run_records(
     return []
 
 
-def kmeans_centres(
-    prefix: np.ndarray, k: int, force_endpoints: bool, slack: tuple[float, float]
-) -> np.ndarray:
+def kmeans_centres(prefix: np.ndarray, k: int, force_endpoints: bool, slack: tuple[float, float]) -> np.ndarray:
     """The layers and backtrack of the exact 1-D k-means of the codebook fit, natively.
 
     The same programme, float64 arithmetic and tie rule as :func:`gefen.math.codebook.optimal_partition_centers`
@@ -651,9 +658,7 @@ def histogram_(counts: Tensor, g: Tensor, period: int, bound: float = 0.0) -> bo
         raise RuntimeError(f"histogram_: period {period} does not divide {numel} elements")
     if not bound >= 0.0:
         raise RuntimeError(f"histogram_: bound {bound!r} is not >= 0")
-    rc = lib.gefen_histogram(
-        g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads(), as_float32(bound)
-    )
+    rc = lib.gefen_histogram(g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads(), as_float32(bound))
     if rc == -2:
         raise RuntimeError("gefen native histogram: out of memory")
     if rc not in (0, _ERR_UNUSABLE):
@@ -661,9 +666,7 @@ def histogram_(counts: Tensor, g: Tensor, period: int, bound: float = 0.0) -> bo
     return rc == 0
 
 
-def period_scores(
-    g: Tensor, candidates: list[int], workspace: Tensor | None = None
-) -> tuple[list[float] | None, bool]:
+def period_scores(g: Tensor, candidates: list[int], workspace: Tensor | None = None) -> tuple[list[float] | None, bool]:
     """The period-search scores of one fp32 gradient natively, with its finiteness and non-zero checks.
 
     The programme of :func:`gefen.math.period.period_scores` (the reference) on ``x = g * g``: float64 logs
@@ -709,8 +712,14 @@ def period_scores(
     scores = np.empty(len(candidates), dtype=np.float64)
     nonzero = np.zeros(1, dtype=np.int64)
     rc = lib.gefen_period_scores(
-        g.data_ptr(), g.numel(), cands.ctypes.data, len(candidates), scores.ctypes.data, nonzero.ctypes.data,
-        work, torch.get_num_threads(),
+        g.data_ptr(),
+        g.numel(),
+        cands.ctypes.data,
+        len(candidates),
+        scores.ctypes.data,
+        nonzero.ctypes.data,
+        work,
+        torch.get_num_threads(),
     )
     if rc == -3:
         raise ValueError("find_period needs a finite gradient; got NaN or Inf values")

@@ -272,9 +272,7 @@ class GefenMuon(Gefen):
         return out
 
     # ------------------------------------------------------------------ the Muon update
-    def _update(
-        self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None
-    ) -> None:
+    def _update(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None) -> None:
         """Apply algorithm.md §7.1 to one 2-D parameter (the momentum through a compiled kernel if given)."""
         update = self._direction(item, group, signature)
         shard = item.shard
