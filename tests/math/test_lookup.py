@@ -27,11 +27,30 @@ def _hard_inputs(codebook: torch.Tensor) -> torch.Tensor:
     return torch.cat([base, up, down, up2, down2]).clamp(-1.0, 1.0)
 
 
+def _neighbours(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` and the next ``n - 1`` fp32 values above it."""
+    out = [x]
+    for _ in range(n - 1):
+        out.append(torch.nextafter(out[-1], torch.tensor(2.0)))
+    return torch.stack(out)
+
+
 CODEBOOKS = {
     "fitted-t3": lambda: _fitted_codebook(0),
     "fitted-period-8": lambda: _fitted_codebook(1, period=8),
     "padded": lambda: fit_codebook(torch.bincount(torch.tensor([100, 2048, 3000, 3001]), minlength=4096)),
     "uniform-with-zero": lambda: torch.cat([torch.linspace(-1, 1, 255), torch.zeros(1)]).sort().values,
+    "repeats-and-subnormals": lambda: (  # repeated interior codes; neighbours a few fp32 steps apart
+        torch.cat(
+            [
+                torch.tensor([-1.0, -0.5, -0.5, -0.5, 0.0, 0.0, 1e-40, 2e-40, 1e-38, 1.0, 1.0]),
+                _neighbours(torch.tensor(0.3), 3),
+                torch.linspace(-0.9, 0.9, 242),
+            ]
+        )
+        .sort()
+        .values
+    ),
     "dense-near-zero": lambda: (
         torch.cat([torch.tensor([-1.0, 1.0, 0.0]), torch.linspace(-3e-4, 3e-4, 120), torch.linspace(-0.9, 0.9, 133)])
         .sort()

@@ -85,17 +85,30 @@ def _nearest_np(u: np.ndarray, codebook: np.ndarray) -> np.ndarray:
 
 def _thresholds(codebook: np.ndarray) -> np.ndarray:
     """``t_k = max{u in [-1, 1] : nearest(u) <= k}`` for ``k < K - 1`` (float32), by bisection over the ordered
-    float32 bit patterns (keys): ``nearest(key -> u)`` is monotone in the key, ``lo`` always satisfies the bound."""
+    float32 bit patterns (keys): ``nearest(key -> u)`` is monotone in the key, ``lo`` always satisfies the bound
+    and ``hi + 1`` never does. Each bracket starts as the 32 keys around the midpoint of codes ``k`` and ``k + 1``
+    (where the rule's rounding puts the threshold), proved by two evaluations; a bracket that fails its proof
+    (e.g. repeated codes) starts from the whole of [-1, 1]. The bisection stops when every bracket is one key."""
     k = codebook.size
-    lo = np.full(k - 1, _key_np(np.float32(-1.0)), dtype=np.int64)
-    hi = np.full(k - 1, _key_np(np.float32(1.0)), dtype=np.int64)
     ks = np.arange(k - 1)
-    for _ in range(33):  # bisection over ~2**31 keys
+    bottom, top = _key_np(np.float32(-1.0)), _key_np(np.float32(1.0))
+    centre = _key_np_array(((codebook[:-1].astype(np.float64) + codebook[1:]) / 2).astype(np.float32))
+    lo, hi = np.clip(centre - 16, bottom, top), np.clip(centre + 16, bottom, top)
+    lo = np.where(_nearest_np(_float_np(lo), codebook) <= ks, lo, bottom)
+    above = np.minimum(hi + 1, top)
+    hi = np.where((hi < top) & (_nearest_np(_float_np(above), codebook) > ks), hi, top)
+    while bool((hi > lo).any()):  # at most 33 rounds over ~2**31 keys; ~6 from proved brackets
         mid = (lo + hi + 1) // 2
         ok = _nearest_np(_float_np(mid), codebook) <= ks
         lo = np.where(ok, mid, lo)
         hi = np.where(ok, hi, mid - 1)
     return _float_np(lo)
+
+
+def _key_np_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_key_np` of every element of a float32 array, as int64."""
+    bits = x.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
 
 
 def _key_np(x: np.float32) -> int:
