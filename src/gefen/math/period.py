@@ -159,6 +159,15 @@ def _needed(cands: list[int]) -> list[int]:
     return sorted(needed)
 
 
+@functools.lru_cache(maxsize=256)
+def _search_plan(n: int) -> tuple[list[int], list[int], tuple[int, ...]]:
+    """``(candidates, needed positions, their periods)`` of a tensor of ``n`` elements (cached per ``n``: a model
+    has few distinct sizes; the lists are read, never changed)."""
+    cands = _candidates(n)
+    needed = _needed(cands)
+    return cands, needed, tuple(cands[k] for k in needed)
+
+
 def _select(cands: list[int], scores: dict[int, float]) -> int:
     """§3.2 steps 4-5 on the scores by position (every position :func:`_needed` lists): the period, or 1."""
     best: tuple[float, int] | None = None
@@ -244,9 +253,8 @@ def _searched_period(
         backend == "auto" and g32.device.type == "cpu" and _native_kernels().native_status().available
     )
     if native:
-        cands = _candidates(g32.numel())
-        needed = _needed(cands)
-        scores, nonzero = _native_kernels().period_scores(g32.contiguous(), [cands[k] for k in needed], workspace)
+        cands, needed, periods = _search_plan(g32.numel())
+        scores, nonzero = _native_kernels().period_scores(g32.contiguous(), list(periods), workspace)
         if scores is not None:  # None: some g * g overflows fp32, where the reference's rounding decides
             return (_select(cands, dict(zip(needed, scores))) if needed else 1), nonzero
     if not bool(torch.isfinite(g32).all()):
