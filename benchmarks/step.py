@@ -183,8 +183,11 @@ def bytes_moved(opt: torch.optim.Optimizer) -> float:
                 second_pass = grad * n if "second_moment_row" in st else 0.0
                 total += 2 * es * n + grad * n + second_pass + 2 * state
             else:
-                state = sum(t.numel() * t.element_size() for t in opt.state.get(p, {}).values()
-                            if isinstance(t, torch.Tensor) and t.numel() > 1)
+                state = sum(
+                    t.numel() * t.element_size()
+                    for t in opt.state.get(p, {}).values()
+                    if isinstance(t, torch.Tensor) and t.numel() > 1
+                )
                 total += 2 * es * n + grad * n + 2 * state
     return total
 
