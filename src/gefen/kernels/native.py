@@ -387,42 +387,21 @@ def native_step(
     Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.reference`.
     """
     _require()
-    check_arguments(
-        kind,
-        grad=grad,
-        codes=codes,
-        scale=scale,
-        tables=tables,
-        steps=steps,
-        period=period,
-        param=param,
-        second=second,
-        out=out,
-        shape=shape,
-    )
-    run_records(
-        [
-            record(
-                kind,
-                grad=grad,
-                codes=codes,
-                scale=scale,
-                tables=tables,
-                steps=steps,
-                period=period,
-                beta1=beta1,
-                param=param,
-                second=second,
-                out=out,
-                shape=shape,
-                beta2=beta2,
-                eps=eps,
-                lr=lr,
-                weight_decay=weight_decay,
-                step=step,
-            )
-        ]
-    )
+    tensors = {
+        "grad": grad,
+        "codes": codes,
+        "scale": scale,
+        "tables": tables,
+        "steps": steps,
+        "period": period,
+        "param": param,
+        "second": second,
+        "out": out,
+        "shape": shape,
+    }
+    check_arguments(kind, **tensors)
+    hyper = {"beta2": beta2, "eps": eps, "lr": lr, "weight_decay": weight_decay, "step": step}
+    run_records([record(kind, **tensors, beta1=beta1, **hyper)])
 
 
 def record(

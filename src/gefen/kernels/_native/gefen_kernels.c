@@ -812,25 +812,19 @@ TV static INLINE float pass1_vbmi_body(const gefen_step_args *a, const vbmi_tabl
 
 TV static float pass1_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int64_t base, int64_t P, float a_old,
                            float *buf, float *sq) {
-    const int high = a->lerp_high != 0;
-    if (a_old == 0.0f) {
-        switch (a->grad_dtype * 2 + high) {
-        case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0, 1);
-        case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1, 1);
-        case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0, 1);
-        case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1, 1);
-        case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0, 1);
-        default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1, 1);
-        }
-    }
+    const int high = a->lerp_high != 0, zero = a_old == 0.0f;
+#define P1(gdt, hi)                                                                                                    \
+    return zero ? pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, gdt, hi, 1)                                          \
+                : pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, gdt, hi, 0)
     switch (a->grad_dtype * 2 + high) {
-    case DT_F32 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 0, 0);
-    case DT_F32 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F32, 1, 0);
-    case DT_BF16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 0, 0);
-    case DT_BF16 * 2 + 1: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_BF16, 1, 0);
-    case DT_F16 * 2: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 0, 0);
-    default: return pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, DT_F16, 1, 0);
+    case DT_F32 * 2: P1(DT_F32, 0);
+    case DT_F32 * 2 + 1: P1(DT_F32, 1);
+    case DT_BF16 * 2: P1(DT_BF16, 0);
+    case DT_BF16 * 2 + 1: P1(DT_BF16, 1);
+    case DT_F16 * 2: P1(DT_F16, 0);
+    default: P1(DT_F16, 1);
     }
+#undef P1
 }
 
 /* u = m / a for a whole block: Markstein's correction of m * (1/a) gives the correctly rounded quotient (checked

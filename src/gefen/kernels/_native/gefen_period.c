@@ -31,6 +31,10 @@ enum { ERR_NONFINITE = -3, ERR_OVERFLOW = -4 };
 static const double LN2_HI = 6.93147180369123816490e-01, LN2_LO = 1.90821492927058770002e-10;
 static const double SQRT2 = 1.41421356237309514547; /* the double nearest sqrt(2), below it */
 
+/* The atanh series' coefficients 1/21, 1/19, ..., 1/3, in Horner order (every path evaluates them alike). */
+static const double ATANH_SERIES[10] = {1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0,
+                                        1.0 / 11.0, 1.0 / 9.0,  1.0 / 7.0,  1.0 / 5.0,  1.0 / 3.0};
+
 static inline double ln_positive(double x) { /* x > 0, finite, normal */
     uint64_t b;
     memcpy(&b, &x, 8);
@@ -43,16 +47,8 @@ static inline double ln_positive(double x) { /* x > 0, finite, normal */
         e += 1.0;
     }
     double s = (m - 1.0) / (m + 1.0), z = s * s;
-    double poly = 1.0 / 21.0;
-    poly = fma(poly, z, 1.0 / 19.0);
-    poly = fma(poly, z, 1.0 / 17.0);
-    poly = fma(poly, z, 1.0 / 15.0);
-    poly = fma(poly, z, 1.0 / 13.0);
-    poly = fma(poly, z, 1.0 / 11.0);
-    poly = fma(poly, z, 1.0 / 9.0);
-    poly = fma(poly, z, 1.0 / 7.0);
-    poly = fma(poly, z, 1.0 / 5.0);
-    poly = fma(poly, z, 1.0 / 3.0);
+    double poly = ATANH_SERIES[0];
+    for (int k = 1; k < 10; k++) poly = fma(poly, z, ATANH_SERIES[k]);
     double s2 = s + s;
     double lnm = fma(s2 * z, poly, s2); /* 2s + 2s z (1/3 + z/5 + ...) */
     return fma(e, LN2_HI, lnm + e * LN2_LO);
