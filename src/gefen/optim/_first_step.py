@@ -24,7 +24,7 @@ __all__ = ["FirstHistogram", "checkable_in_histogram", "search_periods"]
 
 
 def checkable_in_histogram(item: WorkItem) -> bool:
-    """Whether the native codebook histogram can check ``item``'s first gradient (see :func:`learn_codebook`): a
+    """Whether the native codebook histogram can check ``item``'s first gradient (see :class:`FirstHistogram`): a
     contiguous fp32 CPU gradient of an unsharded parameter, with the native library loaded."""
     grad = item.grad
     return (
@@ -55,7 +55,13 @@ class FirstHistogram:
         self._counts: Tensor | None = None
 
     def add(self, item: WorkItem, period: int) -> None:
-        """Add ``item``'s gradient, in blocks of ``period`` elements (its row-aligned period)."""
+        """Add ``item``'s gradient, in blocks of ``period`` elements (its row-aligned period). An unusable gradient
+        of an ``unchecked`` parameter is recorded in :attr:`bad` (the counts then mean nothing).
+
+        Raises:
+            ValueError: a NaN/Inf in a gradient the preflight checked (it cannot happen then).
+            RuntimeError: the native library rejected the arguments.
+        """
         if self._counts is None:
             self._counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=item.grad.device)
         if id(item.param) in self.unchecked:
