@@ -154,6 +154,20 @@ static inline double run_product(const double *y, int64_t len) {
     return (a[0] * a[1]) * (a[2] * a[3]);
 }
 
+/* The values of groups [j0, j1) of 8 elements into out[j + 1], one element at a time: the tail of the vector paths
+ * of the G = 8 class (the same operations as groups_scalar for G = 8, one run). */
+static void groups8_scalar(const float *g, double *out, int64_t j0, int64_t j1, float x0, int *flags) {
+    double y[8];
+    for (int64_t j = j0; j < j1; j++) {
+        for (int k = 0; k < 8; k++) {
+            const float gi = g[8 * j + k], x = gi * gi;
+            element_flags(gi, x, x0, flags);
+            y[k] = scaled_y(x);
+        }
+        out[j + 1] = ln_positive(run_product(y, 8));
+    }
+}
+
 /* The values of groups [j0, j1) of class c into c->prefix[j + 1], one element at a time (the order of every path). */
 static void groups_scalar(const float *g, const period_class *c, int64_t j0, int64_t j1, float x0, int *flags) {
     const int64_t G = c->group, runs = c->runs;

@@ -131,15 +131,7 @@ __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, doubl
     if (_mm256_movemask_ps(bad)) return 0;
     if (_mm256_movemask_ps(nonzero)) *flags |= 4;
     if (_mm256_movemask_ps(varies)) *flags |= 8;
-    double y[8];
-    for (; j < j1; j++) {
-        for (int k = 0; k < 8; k++) {
-            const float gi = g[8 * j + k], x = gi * gi;
-            element_flags(gi, x, x0, flags);
-            y[k] = scaled_y(x);
-        }
-        out[j + 1] = ln_positive(run_product(y, 8));
-    }
+    groups8_scalar(g, out, j, j1, x0, flags);
     return !(*flags & 3);
 }
 
@@ -345,15 +337,7 @@ T512P static int group8_avx512(const float *g, double *out, int64_t j0, int64_t 
       ln_array_avx512(out + start + 1, out + start + 1, batch_end - start);
     }
     if (!flags512_done(&f, x0, flags)) return 0;
-    double y[8];
-    for (; j < j1; j++) {
-        for (int k = 0; k < 8; k++) {
-            const float gi = g[8 * j + k], x = gi * gi;
-            element_flags(gi, x, x0, flags);
-            y[k] = scaled_y(x);
-        }
-        out[j + 1] = ln_positive(run_product(y, 8));
-    }
+    groups8_scalar(g, out, j, j1, x0, flags);
     return !(*flags & 3);
 }
 
