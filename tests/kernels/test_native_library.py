@@ -100,6 +100,47 @@ def _inputs(case):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_native_step_matches_the_reference(case) -> None:
+    _check_against_reference(case)
+
+
+def _long_block_cases() -> list[dict]:
+    """Blocks of 256 elements and more, which the draws above rarely reach: the VBMI pass 2 interleaves four
+    64-element groups there (then single groups, then a 16-lane tail): periods 256 (one iteration), 320 (one
+    more group), 1000 (groups and a tail), 1408 (a GPT-2 MLP row: five iterations and two groups), each table
+    (their bucket counts and compare steps differ), factored rows of those lengths."""
+    out = []
+    for level in LEVELS:
+        for i, (kind, numel, shape, period) in enumerate(
+            [
+                ("block", 512, (0, 0), 256),
+                ("block", 640, (0, 0), 320),
+                ("momentum", 2000, (0, 0), 1000),
+                ("block", 2816, (0, 0), 1408),
+                ("factored", 2 * 1408, (2, 1408), 1408),
+                ("factored", 3 * 320, (3, 320), 320),
+                ("factored", 4 * 500, (4, 500), 1000),
+            ]
+        ):
+            for table in range(len(TABLES)):
+                out.append(
+                    {"kind": kind, "numel": numel, "shape": shape, "period": period, "pdt": DTYPES[i % 3],
+                     "gdt": DTYPES[(i + table) % 3], "table": table, "level": level, "beta1": 0.9, "step": 3,
+                     "seed": 100 * i + table, "zero_blocks": False}
+                )  # fmt: skip
+    return out
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "case", _long_block_cases(), ids=lambda c: f"{c['level']}-{c['kind']}-{c['period']}-t{c['table']}"
+)
+def test_native_step_matches_the_reference_on_long_blocks(case) -> None:
+    _check_against_reference(case)
+
+
+def _check_against_reference(case: dict) -> None:
+    """One native step against the eager reference: codes and magnitudes identical, second moments to summation
+    order, parameters within 2e-6 of the update plus one ulp (the factored quotient's refined reciprocal)."""
     table, grad, codes, scale, param, second = _inputs(case)
     kind = case["kind"]
     out_ref = torch.empty(case["numel"]) if kind == "momentum" else None
