@@ -106,8 +106,8 @@ def test_native_step_matches_the_reference(case) -> None:
 def _long_block_cases() -> list[dict]:
     """Blocks of 256 elements and more, which the draws above rarely reach: the VBMI pass 2 interleaves four
     64-element groups there (then single groups, then a 16-lane tail): periods 256 (one iteration), 320 (one
-    more group), 1000 (groups and a tail), 1408 (benchmarks/step.py's MLP rows: five iterations and two groups), each table
-    (their bucket counts and compare steps differ), factored rows of those lengths."""
+    more group), 1000 (groups and a tail), 1408 (benchmarks/step.py's MLP rows: five iterations and two
+    groups), each table (their bucket counts and compare steps differ), factored rows of those lengths."""
     out = []
     for level in LEVELS:
         for i, (kind, numel, shape, period) in enumerate(
