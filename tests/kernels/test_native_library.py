@@ -140,7 +140,8 @@ def test_native_step_matches_the_reference_on_long_blocks(case) -> None:
 
 def _check_against_reference(case: dict) -> None:
     """One native step against the eager reference: codes and magnitudes identical, second moments to summation
-    order, parameters within 2e-6 of the update plus one ulp (the factored quotient's refined reciprocal)."""
+    order, parameters within 2e-6 of the update plus one ulp (what those second-moment ulps do to one update: see
+    test_backends.py)."""
     table, grad, codes, scale, param, second = _inputs(case)
     kind = case["kind"]
     out_ref = torch.empty(case["numel"]) if kind == "momentum" else None
