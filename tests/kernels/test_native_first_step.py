@@ -5,6 +5,10 @@ in-place period score (identical to the plain ``diff()`` chain of algorithm.md Â
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +70,33 @@ def test_native_kmeans_full_histogram_and_bad_backend() -> None:
     assert expected[0] == -1.0 and expected[-1] == 1.0
     with pytest.raises(ValueError, match="backend"):
         optimal_partition_centers(z, n, 255, True, backend="gpu")
+
+
+KMEANS_IN_A_CHILD = """
+import numpy as np, torch
+from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
+torch.set_num_threads(2)
+rng = np.random.default_rng(7)
+counts = np.round(1e5 * np.exp(-0.5 * (bin_centers().numpy() / 0.2) ** 2)) + rng.integers(1, 4, HISTOGRAM_BINS)
+z, n = bin_centers().numpy().astype(np.float64), counts.astype(np.float64)
+for k in (255, 40):
+    expected = optimal_partition_centers(z, n, k, True, backend="numpy")
+    assert np.array_equal(optimal_partition_centers(z, n, k, True, backend="native"), expected), k
+print("SAME")
+"""
+
+
+@pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_WAIT_POLICY": "passive"}], ids=str)
+def test_native_kmeans_layers_in_one_parallel_region_whatever_the_team(env) -> None:
+    """The fit's layers share one parallel region of two threads, a barrier after each layer's middle row and
+    halves: a runtime that gives a team of one thread (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on
+    that thread instead of waiting at the barrier forever, and one whose idle workers sleep gives the same centres
+    (4096 active bins: the two-thread layers)."""
+    result = subprocess.run(
+        [sys.executable, "-c", KMEANS_IN_A_CHILD], env={**os.environ, **env}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == "SAME", result.stderr[-2000:]
 
 
 def _torch_histogram(g: torch.Tensor, period: int) -> torch.Tensor:

@@ -210,26 +210,88 @@ static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_
     }
 }
 
-/* The two halves of a layer around its middle row (solved first) are independent: one task each. Every row's
- * values do not depend on which rows were solved before it, so the split changes nothing in the result. */
-static void dp_half_task(const void *ctx_, int64_t half, int64_t thread) {
-    (void)thread;
-    const dp_layer *ly = (const dp_layer *)ctx_;
-    const int64_t rows = ly->rows, mid = (rows - 1) / 2;
-    double *scratch = ly->scratch + half * (rows + 8);
-    int32_t *segs = ly->segs + half * 8 * (rows + 2);
-    if (half == 0) dp_rows(ly, 0, mid - 1, 0, ly->R[mid], scratch, segs);
-    else dp_rows(ly, mid + 1, rows - 1, ly->L[mid], rows - 1, scratch, segs);
-}
+/* ------------------------------------------------------------------ the layers, one after the other
+ * On two threads the whole fit is one parallel region: each layer's middle row is solved by thread 0, then each
+ * thread solves one half, with a barrier of the two threads after the middle row and after the halves. A parallel
+ * region per layer (253 of ~40 us for k = 255) costs a wake-up of the idle OpenMP worker each time it has gone to
+ * sleep (libgomp sleeps after a short spin when its wait policy is passive, or throttled), which made the fit
+ * 17-21 ms instead of 10 ms inside a training process. */
+typedef struct {
+    const double *W, *X, *Q;
+    double *buf[2];             /* F of the odd / even layers (layer 1 in buf[1]) */
+    int32_t *L, *R, *args;      /* args: (k, rows) */
+    double *scratch;
+    int32_t *segs;
+    int64_t k, rows;
+    int avx2, avx512;
+    double slack0, slack1;
+    atomic_int arrived, phase; /* the barrier: threads arrived in this phase, phase counter */
+} fit_ctx;
 
-static void dp_layer_rows(const dp_layer *ly, int64_t threads) {
-    const int64_t rows = ly->rows, mid = (rows - 1) / 2;
-    if (threads < 2 || rows < 512) {
-        dp_rows(ly, 0, rows - 1, 0, rows - 1, ly->scratch, ly->segs);
+/* Both threads wait here until both have arrived (phase counting barrier: spin, then yield the core). */
+static void fit_barrier(fit_ctx *f, int *phase) {
+    const int mine = *phase;
+    *phase = mine + 1;
+    if (atomic_fetch_add_explicit(&f->arrived, 1, memory_order_acq_rel) == 1) {
+        atomic_store_explicit(&f->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&f->phase, mine + 1, memory_order_release);
         return;
     }
-    dp_solve(ly, mid, 0, mid, ly->scratch);
-    parallel_for_cost(2, 2, dp_half_task, ly, 0);
+    for (int64_t spins = 0; atomic_load_explicit(&f->phase, memory_order_acquire) == mine; spins++) {
+        if (spins > 20000) sched_yield(); /* the other thread is not running: let it */
+#if GEFEN_X86
+        else _mm_pause();
+#endif
+    }
+}
+
+/* Layer c's record (its F from the previous layer's, its tolerance from max |F| of that layer). */
+static dp_layer fit_layer(const fit_ctx *f, int64_t c) {
+    const double *F_prev = f->buf[(c - 1) & 1];
+    double most = 0.0;
+    for (int64_t j = 0; j < f->rows; j++)
+        if (fabs(F_prev[j]) > most) most = fabs(F_prev[j]);
+    return (dp_layer){f->W, f->X, f->Q, F_prev, f->buf[c & 1], f->L, f->R, f->args + c * f->rows, f->scratch, c,
+                      f->rows, f->avx2, f->avx512, 8.0 * (f->slack0 + f->slack1 * most), f->segs};
+}
+
+/* Layers 2 .. k - 1 on one thread (team of one: the same rows in the same windows). */
+static void fit_layers_serial(fit_ctx *f) {
+    for (int64_t c = 2; c < f->k; c++) {
+        const dp_layer ly = fit_layer(f, c);
+        dp_rows(&ly, 0, f->rows - 1, 0, f->rows - 1, f->scratch, f->segs);
+    }
+}
+
+static void fit_region(void *data) {
+    fit_ctx *f = (fit_ctx *)data;
+    const int64_t team = g_num_threads(), me = g_thread_num(), rows = f->rows, mid = (rows - 1) / 2;
+    if (team < 2) { /* the runtime gave one thread */
+        fit_layers_serial(f);
+        return;
+    }
+    if (me > 1) return;
+    int phase = 0;
+    for (int64_t c = 2; c < f->k; c++) {
+        const dp_layer ly = fit_layer(f, c); /* both threads: the same values (F_prev is complete) */
+        if (me == 0) dp_solve(&ly, mid, 0, mid, f->scratch);
+        fit_barrier(f, &phase); /* the middle row's window ends are in L, R */
+        if (me == 0) dp_rows(&ly, 0, mid - 1, 0, f->R[mid], f->scratch, f->segs);
+        else dp_rows(&ly, mid + 1, rows - 1, f->L[mid], rows - 1, f->scratch + rows + 8, f->segs + 8 * (rows + 2));
+        fit_barrier(f, &phase); /* the layer is complete before the next one reads it */
+    }
+}
+
+/* Every layer of a fit: one parallel region of two threads when threads >= 2 and the layers are wide enough to
+ * share (every row's values do not depend on which rows were solved before it, so the split changes nothing). */
+static void fit_layers(fit_ctx *f, int64_t threads) {
+    if (threads < 2 || f->rows < 512 || !g_parallel) {
+        fit_layers_serial(f);
+        return;
+    }
+    atomic_init(&f->arrived, 0);
+    atomic_init(&f->phase, 0);
+    g_parallel(fit_region, f, 2, 0);
 }
 
 static double pinned_or_free(double w, double x, double q, int pin) {
@@ -260,24 +322,16 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     const int pin = force_endpoints ? 1 : 0, avx2 = active_level() >= LEVEL_AVX2;
     const int avx512 = active_level() >= LEVEL_AVX512;
     for (int64_t j = 0; j < rows; j++) /* cluster 1 ends at e = 1 + j */
-        F[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
-    for (int64_t c = 2; c < k; c++) {
-        double most = 0.0;
-        for (int64_t j = 0; j < rows; j++)
-            if (fabs(F[j]) > most) most = fabs(F[j]);
-        dp_layer ly = {W, X, Q, F, G, L, R, args + c * rows, scratch, c, rows, avx2, avx512,
-                       8.0 * (slack0 + slack1 * most), segs};
-        dp_layer_rows(&ly, threads);
-        double *t = F;
-        F = G;
-        G = t;
-    }
+        G[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
+    fit_ctx fit = {W, X, Q, {F, G}, L, R, args, scratch, segs, k, rows, avx2, avx512, slack0, slack1, 0, 0};
+    fit_layers(&fit, threads);
+    const double *last = fit.buf[(k - 1) & 1]; /* F of layer k - 1 */
     /* the last cluster runs from s = k + i to A */
     int64_t i = 0;
     double best = INFINITY;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t s1 = k - 1 + r;
-        const double v = F[r] + pinned_or_free(W[A] - W[s1], X[A] - X[s1], Q[A] - Q[s1], pin);
+        const double v = last[r] + pinned_or_free(W[A] - W[s1], X[A] - X[s1], Q[A] - Q[s1], pin);
         if (v < best) best = v, i = r;
     }
     out[k - 1] = pin ? 1.0 : (X[A] - X[k - 1 + i]) / (W[A] - W[k - 1 + i]);

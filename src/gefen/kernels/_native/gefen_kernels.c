@@ -21,8 +21,11 @@
  *
  * The file is compiled with -ffp-contract=off: every fused multiply-add is written out.
  */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include <float.h>
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
