@@ -11,7 +11,7 @@ Prints one JSON object::
      "ratio_gefen_vs_adamw_fused": float, "interleaved": {...}, "ratio_gefen_vs_adamw_fused_sequential_rows": float,
      "ratio_gefen_native_vs_adamw_fused": float,
      "ratio_gefen_compiled_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
-     "ratio_gefen_first_step_vs_step": float, "ratio_gefen_muon_vs_torch_muon": float,
+     "ratio_gefen_first_step_vs_step": float, "first_step_pairs": {...}, "ratio_gefen_muon_vs_torch_muon": float,
      "ratio_gefen_vs_adamw_fused_1_thread": float, "nonfinite_check_s": float,
      "nonfinite_check_fraction_of_gefen_step": float, "nonfinite_check_eager_s": float}
 
@@ -34,6 +34,9 @@ per-pair ratios), because on a shared machine the clock drifts between rows meas
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
 ``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
+``ratio_gefen_first_step_vs_step`` comes from ``--first-repeats`` (5) fresh default Gefen optimizers
+(``first_step_pairs``: each one's first step over the median of its next ``--steps // 2`` regular steps, then the
+medians of the first steps, the regular steps and the ratios), not from the ``gefen`` row's single first step.
 ``nonfinite_check_s`` is what the NaN/Inf check of a default (``nonfinite="skip"``) Gefen step costs (seconds):
 the median step time of the default Gefen minus that of ``nonfinite="propagate"``, stepped alternately (on the
 CPU the native step checks inside its own passes, so this is within noise of 0 and may come out negative);
@@ -234,6 +237,42 @@ def interleaved(
     return {"a_s": statistics.median(times_a), "b_s": statistics.median(times_b), "ratio": statistics.median(ratios)}
 
 
+def first_step_pairs(
+    make: Callable[[], torch.optim.Optimizer],
+    reset: Callable[[], None],
+    device: torch.device,
+    repeats: int,
+    steps: int,
+) -> dict[str, float]:
+    """The first step against the regular steps of the same optimizer, over ``repeats`` fresh optimizers.
+
+    Each repeat resets the parameters (``reset``), builds a new optimizer, times its first step, takes one untimed
+    step and times ``steps`` more; its ratio is the first step over the median of those. Returns the medians of the
+    first steps (``first_s``), of the regular steps (``step_s``) and of the per-optimizer ratios (``ratio``): each
+    ratio divides two times taken within a second of each other, so the machine's drift and one slow sample (a
+    single first step) move it much less than a ratio of rows measured minutes apart.
+    """
+    firsts, regular, ratios = [], [], []
+    for _ in range(repeats):
+        reset()
+        opt = make()
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        first = time.perf_counter() - start - getattr(opt, "compile_time_s", 0.0)
+        step = time_steps(opt, device, steps, 1)
+        firsts.append(first)
+        regular.append(step)
+        ratios.append(first / step)
+        del opt
+    return {
+        "first_s": statistics.median(firsts),
+        "step_s": statistics.median(regular),
+        "ratio": statistics.median(ratios),
+    }
+
+
 def time_nonfinite_check(named: list[tuple[str, torch.nn.Parameter]], device: torch.device, steps: int) -> float:
     """Median seconds of the NaN/Inf check of ``nonfinite="skip"`` over every gradient (one host read)."""
     grads = [(name, p.grad) for name, p in named if p.grad is not None]
@@ -272,6 +311,9 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="25m")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (includes the first step)")
+    parser.add_argument(
+        "--first-repeats", type=int, default=5, help="fresh Gefen optimizers for ratio_gefen_first_step_vs_step"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled row")
     parser.add_argument(
@@ -343,6 +385,16 @@ def main() -> None:
             args.warmup,
         )
     torch.set_num_threads(threads)
+    print("[step.py] gefen first steps against their regular steps ...", file=sys.stderr, flush=True)
+
+    def reset() -> None:
+        with torch.no_grad():
+            for p, v in zip(params, initial):
+                p.copy_(v)
+
+    first_pairs = first_step_pairs(
+        lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1), reset, device, args.first_repeats, args.steps // 2
+    )
     print("[step.py] interleaved gefen nonfinite='propagate' / default ...", file=sys.stderr, flush=True)
     check_pair = interleaved(
         lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, nonfinite="propagate"),
@@ -372,8 +424,8 @@ def main() -> None:
                 "ratio_gefen_compiled_vs_adamw_fused": ratio("gefen_compiled"),
                 "ratio_gefen_eager_vs_adamw_fused": ratio("gefen_eager"),
                 "ratio_gefen_vs_adamw_fused_1_thread": pairs["_1_thread"]["ratio"],
-                "ratio_gefen_first_step_vs_step": results["gefen"]["first_step_time_s"]
-                / results["gefen"]["opt_step_time_s"],
+                "ratio_gefen_first_step_vs_step": first_pairs["ratio"],
+                "first_step_pairs": first_pairs,
                 "ratio_gefen_muon_vs_torch_muon": results["gefen_muon"]["opt_step_time_s"]
                 / results["torch_muon"]["opt_step_time_s"]
                 if "torch_muon" in results
