@@ -82,16 +82,24 @@ z, n = bin_centers().numpy().astype(np.float64), counts.astype(np.float64)
 for k in (255, 40):
     expected = optimal_partition_centers(z, n, k, True, backend="numpy")
     assert np.array_equal(optimal_partition_centers(z, n, k, True, backend="native"), expected), k
+from gefen.kernels import native
+from gefen.math.period import divisors
+g = torch.randn(198_048, generator=torch.Generator().manual_seed(3)) * torch.arange(1, 4).repeat_interleave(66_016)
+candidates = [p for p in divisors(g.numel()) if g.numel() // p >= 2]
+two = native.period_scores(g, candidates)[0]
+torch.set_num_threads(1)
+assert native.period_scores(g, candidates)[0] == two
 print("SAME")
 """
 
 
 @pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_WAIT_POLICY": "passive"}], ids=str)
-def test_native_kmeans_layers_in_one_parallel_region_whatever_the_team(env) -> None:
-    """The fit's layers share one parallel region of two threads, a barrier after each layer's middle row and
-    halves: a runtime that gives a team of one thread (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on
-    that thread instead of waiting at the barrier forever, and one whose idle workers sleep gives the same centres
-    (4096 active bins: the two-thread layers)."""
+def test_native_loops_in_one_parallel_region_whatever_the_team(env) -> None:
+    """The fit's layers share one parallel region of two threads (a barrier after each layer's middle row and
+    halves), and so do the period scores' three loops: a runtime that gives a team of one thread
+    (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on that thread instead of waiting at a barrier
+    forever, and one whose idle workers sleep gives the same centres (4096 active bins: the two-thread layers) and
+    the same scores as one thread."""
     result = subprocess.run(
         [sys.executable, "-c", KMEANS_IN_A_CHILD], env={**os.environ, **env}, capture_output=True, text=True,
         timeout=300,

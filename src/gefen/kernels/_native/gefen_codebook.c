@@ -225,25 +225,8 @@ typedef struct {
     int64_t k, rows;
     int avx2, avx512;
     double slack0, slack1;
-    atomic_int arrived, phase; /* the barrier: threads arrived in this phase, phase counter */
+    team_barrier barrier;
 } fit_ctx;
-
-/* Both threads wait here until both have arrived (phase counting barrier: spin, then yield the core). */
-static void fit_barrier(fit_ctx *f, int *phase) {
-    const int mine = *phase;
-    *phase = mine + 1;
-    if (atomic_fetch_add_explicit(&f->arrived, 1, memory_order_acq_rel) == 1) {
-        atomic_store_explicit(&f->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&f->phase, mine + 1, memory_order_release);
-        return;
-    }
-    for (int64_t spins = 0; atomic_load_explicit(&f->phase, memory_order_acquire) == mine; spins++) {
-        if (spins > 20000) sched_yield(); /* the other thread is not running: let it */
-#if GEFEN_X86
-        else _mm_pause();
-#endif
-    }
-}
 
 /* Layer c's record (its F from the previous layer's, its tolerance from max |F| of that layer). */
 static dp_layer fit_layer(const fit_ctx *f, int64_t c) {
@@ -275,10 +258,10 @@ static void fit_region(void *data) {
     for (int64_t c = 2; c < f->k; c++) {
         const dp_layer ly = fit_layer(f, c); /* both threads: the same values (F_prev is complete) */
         if (me == 0) dp_solve(&ly, mid, 0, mid, f->scratch);
-        fit_barrier(f, &phase); /* the middle row's window ends are in L, R */
+        team_wait(&f->barrier, 2, &phase); /* the middle row's window ends are in L, R */
         if (me == 0) dp_rows(&ly, 0, mid - 1, 0, f->R[mid], f->scratch, f->segs);
         else dp_rows(&ly, mid + 1, rows - 1, f->L[mid], rows - 1, f->scratch + rows + 8, f->segs + 8 * (rows + 2));
-        fit_barrier(f, &phase); /* the layer is complete before the next one reads it */
+        team_wait(&f->barrier, 2, &phase); /* the layer is complete before the next one reads it */
     }
 }
 
@@ -289,8 +272,8 @@ static void fit_layers(fit_ctx *f, int64_t threads) {
         fit_layers_serial(f);
         return;
     }
-    atomic_init(&f->arrived, 0);
-    atomic_init(&f->phase, 0);
+    atomic_init(&f->barrier.arrived, 0);
+    atomic_init(&f->barrier.phase, 0);
     g_parallel(fit_region, f, 2, 0);
 }
 
@@ -323,7 +306,7 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     const int avx512 = active_level() >= LEVEL_AVX512;
     for (int64_t j = 0; j < rows; j++) /* cluster 1 ends at e = 1 + j */
         G[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
-    fit_ctx fit = {W, X, Q, {F, G}, L, R, args, scratch, segs, k, rows, avx2, avx512, slack0, slack1, 0, 0};
+    fit_ctx fit = {W, X, Q, {F, G}, L, R, args, scratch, segs, k, rows, avx2, avx512, slack0, slack1, {0, 0}};
     fit_layers(&fit, threads);
     const double *last = fit.buf[(k - 1) & 1]; /* F of layer k - 1 */
     /* the last cluster runs from s = k + i to A */

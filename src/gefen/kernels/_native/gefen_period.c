@@ -393,6 +393,47 @@ per_element:
     return 1;
 }
 
+/* Between the logs and the prefixes (thread 0 alone): the flags decide; then the classes' means and their chunks'
+ * starting prefix values. When no score is to be computed (an error, every x equal, no candidate) the later loops
+ * get no tasks. */
+typedef struct {
+    period_ctx *c;
+    int64_t chunks, n_cands;
+    double *scores;
+    int64_t *nonzero;
+    int rc;
+    loop_phase *phases; /* [1]: prefixes, [2]: scores */
+} period_between;
+
+static void period_after_logs(void *state) {
+    period_between *b = (period_between *)state;
+    period_ctx *c = b->c;
+    int all = 0;
+    for (int64_t t = 0; t < b->chunks; t++) all |= c->flags[t];
+    *b->nonzero = (all & 4) ? 1 : 0;
+    b->rc = (all & 1) ? ERR_NONFINITE : (all & 2) ? ERR_OVERFLOW : OK;
+    if (b->rc == OK && !(all & 8)) /* every x equal: every score is exactly 0 (no rounding noise may pick a period) */
+        for (int64_t k = 0; k < b->n_cands; k++) b->scores[k] = 0.0;
+    if (b->rc != OK || !(all & 8) || b->n_cands == 0) {
+        b->phases[1].tasks = 0;
+        b->phases[2].tasks = 0;
+        return;
+    }
+    for (int64_t k = 0; k < c->n_classes; k++) {
+        period_class *cl = &c->cls[k];
+        double total = 0.0;
+        for (int64_t t = cl->first; t < cl->first + cl->chunks; t++) total += c->chunk_sum[t];
+        c->mean[k] = total / (double)cl->values; /* per value: the logs of G elements (less 44 G ln2) */
+        double start = 0.0;
+        for (int64_t u = 0; u < cl->chunks; u++) {
+            const int64_t len = u + 1 < cl->chunks ? cl->per : cl->values - u * cl->per;
+            c->chunk_start[cl->first + u] = start;
+            start += c->chunk_sum[cl->first + u] - (double)len * c->mean[k];
+        }
+        cl->prefix[0] = 0.0;
+    }
+}
+
 /* The scores of n_cands candidate periods (each dividing n with n / p >= 2) of the gradient g (n fp32 values) into
  * scores[0..n_cands) (all exactly 0 when every g_i * g_i is the same value). *nonzero is set to 1 when some
  * g_i != 0, else 0. work: n + 1 doubles of scratch (the classes' prefixes never need more, see plan_classes), or
@@ -460,47 +501,36 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
             const int64_t len = (u + 1 < cl->chunks ? cl->per : cl->values - u * cl->per);
             chunk_cost[t + 1] = chunk_cost[t] + len * cl->group + 4 * len * cl->runs;
         }
-    parallel_for_cost(chunks, threads, period_logs_task, &c, chunk_cost);
-    int all = 0;
-    for (int64_t t = 0; t < chunks; t++) all |= flags[t];
-    *nonzero = (all & 4) ? 1 : 0;
-    int rc = (all & 1) ? ERR_NONFINITE : (all & 2) ? ERR_OVERFLOW : OK;
-    if (rc == OK && !(all & 8)) /* every x equal: every score is exactly 0 (no rounding noise may pick a period) */
-        for (int64_t k = 0; k < n_cands; k++) scores[k] = 0.0;
-    else if (rc == OK && n_cands > 0) {
-        for (int64_t k = 0; k < c.n_classes; k++) {
-            const period_class *cl = &c.cls[k];
-            double total = 0.0;
-            for (int64_t t = cl->first; t < cl->first + cl->chunks; t++) total += sums[t];
-            c.mean[k] = total / (double)cl->values; /* per value: the logs of G elements (less 44 G ln2) */
-            double start = 0.0;
-            for (int64_t u = 0; u < cl->chunks; u++) {
-                const int64_t len = u + 1 < cl->chunks ? cl->per : cl->values - u * cl->per;
-                c.chunk_start[cl->first + u] = start;
-                start += sums[cl->first + u] - (double)len * c.mean[k];
-            }
-            cl->prefix[0] = 0.0;
+    /* the score tasks: every range of every class's prefix (their costs: the differences they take) */
+    for (int64_t i = 0, at = 0; i < n_cands; i++) {
+        part_at[i] = at;
+        at += (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
+    }
+    int64_t t = 0;
+    cost[0] = 0;
+    for (int64_t k = 0; k < c.n_classes; k++) {
+        const period_class *cl = &c.cls[k];
+        double per_value = 0.0; /* differences per prefix value, over the class's candidates */
+        for (int64_t i = 0; i < n_cands; i++)
+            if (cand_class[i] == k) per_value += (double)cl->group / (double)cands[i];
+        for (int64_t u = 0; u * SCORE_RANGE < cl->values; u++, t++) {
+            task_class[t] = k;
+            task_range[t] = u;
+            cost[t + 1] = cost[t] + 1 + (int64_t)(per_value * SCORE_RANGE);
         }
-        parallel_for_cost(chunks, threads, period_prefix_task, &c, 0);
-        for (int64_t i = 0, at = 0; i < n_cands; i++) {
-            part_at[i] = at;
-            at += (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
-        }
-        int64_t t = 0;
-        cost[0] = 0;
-        for (int64_t k = 0; k < c.n_classes; k++) {
-            const period_class *cl = &c.cls[k];
-            double per_value = 0.0; /* differences per prefix value, over the class's candidates */
-            for (int64_t i = 0; i < n_cands; i++)
-                if (cand_class[i] == k) per_value += (double)cl->group / (double)cands[i];
-            for (int64_t u = 0; u * SCORE_RANGE < cl->values; u++, t++) {
-                task_class[t] = k;
-                task_range[t] = u;
-                cost[t + 1] = cost[t] + 1 + (int64_t)(per_value * SCORE_RANGE);
-            }
-        }
-        score_ctx sc = {&c, cands, cand_class, part_at, task_class, task_range, partial, n_cands};
-        parallel_for_cost(t, threads, period_score_task, &sc, cost);
+    }
+    /* one parallel region: the logs, then (between, on one thread: the flags, the means and the chunk starts)
+     * the prefixes, then the scores */
+    score_ctx sc = {&c, cands, cand_class, part_at, task_class, task_range, partial, n_cands};
+    loop_phase phases[3] = {{period_logs_task, &c, chunks, chunk_cost, 0, 0},
+                            {period_prefix_task, &c, chunks, 0, 0, 0},
+                            {period_score_task, &sc, t, cost, 0, 0}};
+    period_between between = {&c, chunks, n_cands, scores, nonzero, OK, phases};
+    phases[1].before = period_after_logs;
+    phases[1].state = &between;
+    parallel_phases(phases, 3, threads);
+    const int rc = between.rc;
+    if (rc == OK && phases[2].tasks > 0)
         for (int64_t i = 0; i < n_cands; i++) {
             const int64_t ranges = (c.cls[cand_class[i]].values + SCORE_RANGE - 1) / SCORE_RANGE;
             double total = 0.0;
@@ -508,7 +538,6 @@ int gefen_period_scores(const float *g, int64_t n, const int64_t *cands, int64_t
             /* the mean over the n / p - 1 differences of |D_b - D_{b-1}| / p: one division, by p (n / p - 1) */
             scores[i] = total / (double)(cands[i] * (n / cands[i] - 1));
         }
-    }
     if (!work) free(P);
     free(sums), free(flags), free(cost), free(partial), free(cand_class);
     return rc;
