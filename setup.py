@@ -34,6 +34,7 @@ DEPENDS = [
     "src/gefen/kernels/_native/gefen_period_simd.c",
     "src/gefen/kernels/_native/gefen_stats.c",
     "src/gefen/kernels/_native/gefen_step_x86.c",
+    "src/gefen/kernels/_native/gefen_threads.c",
 ]
 #: Flags of every build: -ffp-contract=off keeps each rounding as written (the kernels spell out every fma).
 CFLAGS = ["-O2", "-std=c11", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=default"]
