@@ -212,10 +212,9 @@ static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_
 
 /* ------------------------------------------------------------------ the layers, one after the other
  * On two threads the whole fit is one parallel region: each layer's middle row is solved by thread 0, then each
- * thread solves one half, with a barrier of the two threads after the middle row and after the halves. A parallel
- * region per layer (253 of ~40 us for k = 255) costs a wake-up of the idle OpenMP worker each time it has gone to
- * sleep (libgomp sleeps after a short spin when its wait policy is passive, or throttled), which made the fit
- * 17-21 ms instead of 10 ms inside a training process. */
+ * thread solves one half, with a barrier of the two threads after the middle row and after the halves. A region
+ * per layer (253 of ~40 us for k = 255) waited for the idle worker's wake-up each time (see gefen_threads.c): the
+ * fit took 17-21 ms instead of 10 ms inside a busy process. */
 typedef struct {
     const double *W, *X, *Q;
     double *buf[2];             /* F of the odd / even layers (layer 1 in buf[1]) */
