@@ -392,7 +392,7 @@ def test_native_propagates_nan_and_inf_like_eager(level: str, betas, factored: b
     paths skip the per-element NaN test and the bucket clamp where they cannot matter (finite ``g`` and ``a_old``;
     ``|u| <= 1``): codes, magnitudes and parameters must still equal the eager reference, NaN for NaN."""
     native.force_level(level)
-    shape, period = (16, 128), 128
+    shape, period = (16, 320), 320  # rows of 320: pass 2's four interleaved groups of 64, then one more group
     gen = torch.Generator().manual_seed(3)
     init = torch.randn(shape, generator=gen) * 0.1
     ref_p, test_p = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
@@ -402,9 +402,9 @@ def test_native_propagates_nan_and_inf_like_eager(level: str, betas, factored: b
     for step in range(4):
         g = _grad(shape, period, gen)
         if step in (1, 2):  # rows are blocks: one poison per row, each at a different place in its block
-            g[1, 5], g[2, 70], g[3, 127], g[4, 64] = float("nan"), float("inf"), -float("inf"), 1e20
+            g[1, 5], g[2, 200], g[3, 300], g[4, 64] = float("nan"), float("inf"), -float("inf"), 1e20
             g[5, 0], g[6, 100] = -3e19, 2e38
-            g[1, 6], g[1, 90] = 50.0, -80.0  # a NaN block divides by 1: |u| > 1 beside the NaN
+            g[1, 6], g[1, 90], g[1, 290] = 50.0, -80.0, 70.0  # a NaN block divides by 1: |u| > 1 beside the NaN
         before = ref_p.detach().clone()
         ref_p.grad, test_p.grad = g.clone(), g
         ref.step()

@@ -72,7 +72,7 @@ def test_native_kmeans_full_histogram_and_bad_backend() -> None:
         optimal_partition_centers(z, n, 255, True, backend="gpu")
 
 
-KMEANS_IN_A_CHILD = """
+LOOPS_IN_A_CHILD = """
 import numpy as np, torch
 from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
 torch.set_num_threads(2)
@@ -101,7 +101,7 @@ def test_native_loops_in_one_parallel_region_whatever_the_team(env) -> None:
     forever, and one whose idle workers sleep gives the same centres (4096 active bins: the two-thread layers) and
     the same scores as one thread."""
     result = subprocess.run(
-        [sys.executable, "-c", KMEANS_IN_A_CHILD], env={**os.environ, **env}, capture_output=True, text=True,
+        [sys.executable, "-c", LOOPS_IN_A_CHILD], env={**os.environ, **env}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert result.returncode == 0 and result.stdout.strip() == "SAME", result.stderr[-2000:]

@@ -125,7 +125,7 @@ def _long_block_cases() -> list[dict]:
                 out.append(
                     {"kind": kind, "numel": numel, "shape": shape, "period": period, "pdt": DTYPES[i % 3],
                      "gdt": DTYPES[(i + table) % 3], "table": table, "level": level, "beta1": 0.9, "step": 3,
-                     "seed": 100 * i + table, "zero_blocks": False}
+                     "seed": 100 * i + table, "zero_blocks": table == 1}
                 )  # fmt: skip
     return out
 
