@@ -91,8 +91,8 @@ def _thresholds(codebook: np.ndarray) -> np.ndarray:
     (e.g. repeated codes) starts from the whole of [-1, 1]. The bisection stops when every bracket is one key."""
     k = codebook.size
     ks = np.arange(k - 1)
-    bottom, top = _key_np(np.float32(-1.0)), _key_np(np.float32(1.0))
-    centre = _key_np_array(((codebook[:-1].astype(np.float64) + codebook[1:]) / 2).astype(np.float32))
+    bottom, top = (int(key) for key in _key_np(np.array([-1.0, 1.0], dtype=np.float32)))
+    centre = _key_np(((codebook[:-1].astype(np.float64) + codebook[1:]) / 2).astype(np.float32))
     lo, hi = np.clip(centre - 16, bottom, top), np.clip(centre + 16, bottom, top)
     lo = np.where(_nearest_np(_float_np(lo), codebook) <= ks, lo, bottom)
     above = np.minimum(hi + 1, top)
@@ -105,16 +105,10 @@ def _thresholds(codebook: np.ndarray) -> np.ndarray:
     return _float_np(lo)
 
 
-def _key_np_array(x: np.ndarray) -> np.ndarray:
-    """:func:`_key_np` of every element of a float32 array, as int64."""
+def _key_np(x: np.ndarray) -> np.ndarray:
+    """The ordered keys (int64) of float32 values: same order as the values, adjacent floats at adjacent keys."""
     bits = x.astype(np.float32).view(np.int32).astype(np.int64)
     return np.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
-
-
-def _key_np(x: np.float32) -> int:
-    """The ordered key of a float32 value: same order as the values, adjacent floats at adjacent keys."""
-    bits = int(np.array(x, dtype=np.float32).view(np.int32))
-    return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
 
 
 def _float_np(key: np.ndarray) -> np.ndarray:
