@@ -107,7 +107,9 @@ def _long_block_cases() -> list[dict]:
     """Blocks of 256 elements and more, which the draws above rarely reach: the VBMI pass 2 interleaves four
     64-element groups there (then single groups, then a 16-lane tail): periods 256 (one iteration), 320 (one
     more group), 1000 (groups and a tail), 1408 (benchmarks/step.py's MLP rows: five iterations and two
-    groups), each table (their bucket counts and compare steps differ), factored rows of those lengths."""
+    groups), each table (their bucket counts and compare steps differ), factored rows of those lengths, and rows of
+    4100 (the statistics pass takes four rows at a time from 4096 columns on, then the fifth row alone; 4100 % 16
+    leaves a tail). The AVX2 pass 2 runs two 8-element groups at a time, then one, then a scalar tail."""
     out = []
     for level in LEVELS:
         for i, (kind, numel, shape, period) in enumerate(
@@ -119,6 +121,7 @@ def _long_block_cases() -> list[dict]:
                 ("factored", 2 * 1408, (2, 1408), 1408),
                 ("factored", 3 * 320, (3, 320), 320),
                 ("factored", 4 * 500, (4, 500), 1000),
+                ("factored", 5 * 4100, (5, 4100), 4100),
             ]
         ):
             for table in range(len(TABLES)):

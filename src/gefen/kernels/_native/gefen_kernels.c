@@ -187,7 +187,7 @@ static inline void finish1(const gefen_step_args *a, int64_t e, float m, float i
 typedef struct vbmi_tables vbmi_tables;
 
 /* Bucket entries for a search with one compare (the AVX2 pass 2): `buckets` uniform buckets over [-1, 1]
- * (b = clamp(trunc((u + 1) * buckets / 2), 0, buckets - 1) in fp32, a monotone function of u), chosen as the fewest
+ * (b = bucket_of(u, buckets), a monotone function of u), chosen as the fewest
  * (256 .. 4096) for which no bucket holds more than one threshold below 1. Entry b is 4 fp32 slots: the first
  * threshold not in an earlier bucket t[k] (+inf past the last), c[k], c[k + 1] (c[255] for k = 255) and k as int32
  * bits, where k = the number of thresholds in earlier buckets. For u in bucket b the nearest code is
@@ -261,9 +261,13 @@ static void pass2_scalar(const gefen_step_args *a, int64_t base, int64_t j0, int
     for (int64_t j = j0; j < j1; j++) finish1(a, base + j, buf[j], denom, amag, s, col_root, row_root, c0 + (j - j0));
 }
 
-/* Bucket of u among nb uniform buckets over [-1, 1] (fp32 arithmetic as in every vector path; NaN -> 0). */
+/* The scale of the vector passes' uniform buckets over [-1, 1]: the float just below nb / 2, so that u in [-1, 1]
+ * falls in bucket trunc(fma(u, H, H)) in [0, nb - 1] with no clamp (u = 1 gives 2H < nb; u = -1 gives 0). */
+static inline float bucket_half(int64_t nb) { return (float)(nb / 2) * (1.0f - 0x1p-24f); } /* nb: 2^k, k >= 1 */
+/* The bucket of u among nb such buckets (clamped: the table builders' and the clamping passes' rule; NaN -> 0).
+ * A monotone function of u, which is all the exact rule needs (see gefen.math.lookup). */
 static inline int64_t bucket_of(float u, int64_t nb) {
-    float t = (u + 1.0f) * (float)(nb / 2);
+    const float h = bucket_half(nb), t = fmaf(u, h, h);
     return (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
 }
 

@@ -39,33 +39,65 @@ T2 static inline __m256 decode8(const float *cb, const uint8_t *c) {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
-T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf, float *sq) {
-    const __m256 vw = _mm256_set1_ps(a->lerp_high ? a->w - 1.0f : a->w), vold = _mm256_set1_ps(a_old);
+/* Pass 1 of a block, 16 elements at a time (the two 8-lane halves are the sum's lanes 0-7 and 8-15, as in
+ * every ISA); gdt, high and zero are compile-time constants at every call site (zero: see pass1_vbmi_body). */
+T2 static INLINE float pass1_avx2_body(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf,
+                                       float *sq, const int gdt, const int high, const int zero) {
+    const __m256 vw = _mm256_set1_ps(high ? a->w - 1.0f : a->w), vold = _mm256_set1_ps(a_old);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* lanes 0-7 and 8-15 */
+    const uint8_t *codes = a->codes + base;
+    const float *cb = a->codebook;
+    const char *grad = (const char *)a->grad + base * (gdt == DT_F32 ? 4 : 2);
+    __m256 mx0 = _mm256_setzero_ps(), mx1 = _mm256_setzero_ps(), acc0 = _mm256_setzero_ps(), acc1 = acc0;
     const int64_t full = P - P % 16;
-    for (int64_t j = 0; j < full; j += 8) {
-        __m256 g = ld8(a->grad, base + j, a->grad_dtype);
-        __m256 mo = _mm256_mul_ps(decode8(a->codebook, a->codes + base + j), vold);
-        __m256 d = _mm256_sub_ps(g, mo);
-        __m256 m = _mm256_fmadd_ps(vw, d, a->lerp_high ? g : mo);
-        _mm256_storeu_ps(buf + j, m);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
-        mx = _mm256_max_ps(mx, _mm256_and_ps(m, absmask));
-        acc[(j >> 3) & 1] = _mm256_fmadd_ps(g, g, acc[(j >> 3) & 1]);
+    for (int64_t j = 0; j < full; j += 16) {
+        const __m256 g0 = ld8(grad, j, gdt), g1 = ld8(grad, j + 8, gdt);
+        __m256 mo0 = _mm256_setzero_ps(), mo1 = mo0;
+        if (!zero) {
+            mo0 = _mm256_mul_ps(decode8(cb, codes + j), vold);
+            mo1 = _mm256_mul_ps(decode8(cb, codes + j + 8), vold);
+        }
+        const __m256 m0 = _mm256_fmadd_ps(vw, _mm256_sub_ps(g0, mo0), high ? g0 : mo0);
+        const __m256 m1 = _mm256_fmadd_ps(vw, _mm256_sub_ps(g1, mo1), high ? g1 : mo1);
+        _mm256_storeu_ps(buf + j, m0);
+        _mm256_storeu_ps(buf + j + 8, m1);
+        mx0 = _mm256_max_ps(mx0, _mm256_and_ps(m0, absmask)); /* a NaN m is found below, not here */
+        mx1 = _mm256_max_ps(mx1, _mm256_and_ps(m1, absmask));
+        acc0 = _mm256_fmadd_ps(g0, g0, acc0);
+        acc1 = _mm256_fmadd_ps(g1, g1, acc1);
     }
+    /* A NaN m needs a non-finite g (then a lane of acc is NaN or inf) or a non-finite m_old = c * a_old: only then
+     * are the m of this loop looked at again (as in pass1_vbmi_body). */
+    const __m256 inf_or_nan = _mm256_or_ps(_mm256_cmp_ps(_mm256_sub_ps(acc0, acc0), _mm256_setzero_ps(), _CMP_NEQ_UQ),
+                                           _mm256_cmp_ps(_mm256_sub_ps(acc1, acc1), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    int has_nan = 0;
+    if (full && !(fabsf(a_old) <= FLT_MAX && _mm256_movemask_ps(inf_or_nan) == 0))
+        for (int64_t i = 0; i < full; i++) has_nan |= buf[i] != buf[i];
     float lanes[16], maxes[8], m_out = 0.0f;
-    _mm256_storeu_ps(lanes, acc[0]);
-    _mm256_storeu_ps(lanes + 8, acc[1]);
-    _mm256_storeu_ps(maxes, mx);
+    _mm256_storeu_ps(lanes, acc0);
+    _mm256_storeu_ps(lanes + 8, acc1);
+    _mm256_storeu_ps(maxes, _mm256_max_ps(mx0, mx1));
     for (int k = 0; k < 8; k++)
         if (maxes[k] > m_out) m_out = maxes[k];
-    int has_nan = _mm256_movemask_ps(nan) != 0;
     float total = sum16(lanes);
     pass1_tail(a, base, full, P, a_old, buf, &total, &m_out, &has_nan);
     *sq = total;
     return has_nan ? NAN : m_out;
+}
+T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf, float *sq) {
+    const int high = a->lerp_high != 0, zero = a_old == 0.0f;
+#define P1(gdt, hi)                                                                                                    \
+    return zero ? pass1_avx2_body(a, base, P, a_old, buf, sq, gdt, hi, 1)                                              \
+                : pass1_avx2_body(a, base, P, a_old, buf, sq, gdt, hi, 0)
+    switch (a->grad_dtype * 2 + high) {
+    case DT_F32 * 2: P1(DT_F32, 0);
+    case DT_F32 * 2 + 1: P1(DT_F32, 1);
+    case DT_BF16 * 2: P1(DT_BF16, 0);
+    case DT_BF16 * 2 + 1: P1(DT_BF16, 1);
+    case DT_F16 * 2: P1(DT_F16, 0);
+    default: P1(DT_F16, 1);
+    }
+#undef P1
 }
 
 T2 static inline __m256i nearest8(const gefen_step_args *a, __m256 u) {
@@ -118,61 +150,114 @@ T2 static inline __m256 quotient8(__m256 m, __m256 den, __m256 inv, int exact) {
     return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, den, m), inv, q);
 }
 
-/* Pass 2 with the entry table: per 8 elements 8 16-byte loads and a 4x4 transpose instead of 3 gathers. */
-T2 static INLINE void pass2_avx2e_body(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j0,
-                                       int64_t j1, const float *buf, float denom, float amag, float s,
-                                       const float *col_root, float row_root, int64_t c0, const int kind,
-                                       const int pdt) {
-    const float *entry = et->entry;
+/* The entries of 8 buckets given as byte offsets (16 * bucket), transposed: threshold, lower and upper code values,
+ * and k (int32 bits) of elements 0..7 in order. The offsets leave the vector as four 64-bit pairs. */
+T2 static inline __attribute__((always_inline)) void entries8(const float *entry, __m256i off, __m256 *th,
+                                                              __m256 *lo, __m256 *hi, __m256 *k0) {
+    const __m128i o03 = _mm256_castsi256_si128(off), o47 = _mm256_extracti128_si256(off, 1);
+    const uint64_t q01 = (uint64_t)_mm_cvtsi128_si64(o03), q23 = (uint64_t)_mm_extract_epi64(o03, 1);
+    const uint64_t q45 = (uint64_t)_mm_cvtsi128_si64(o47), q67 = (uint64_t)_mm_extract_epi64(o47, 1);
+    const char *e = (const char *)entry;
+#define ENTRY(q, shift) _mm_load_ps((const float *)(e + (uint32_t)((q) >> (shift))))
+#define ENTRY_PAIR(q, r, shift) _mm256_insertf128_ps(_mm256_castps128_ps256(ENTRY(q, shift)), ENTRY(r, shift), 1)
+    const __m256 r0 = ENTRY_PAIR(q01, q45, 0), r1 = ENTRY_PAIR(q01, q45, 32);
+    const __m256 r2 = ENTRY_PAIR(q23, q67, 0), r3 = ENTRY_PAIR(q23, q67, 32);
+#undef ENTRY_PAIR
+#undef ENTRY
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    *th = _mm256_shuffle_ps(t0, t2, 0x44);
+    *lo = _mm256_shuffle_ps(t0, t2, 0xEE);
+    *hi = _mm256_shuffle_ps(t1, t3, 0x44);
+    *k0 = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
+/* Pass 2 with the entry table, PASS2E_GROUPS groups of 8 elements per iteration, each stage over the groups in
+ * turn (the groups' dependency chains overlap, as in pass2_vbmi_groups): per 8 elements one 16-byte load per
+ * element and a 4x4 transpose instead of 3 gathers. Buckets as bucket_of: no clamp needed for |u| <= 1. */
+#define PASS2E_GROUPS 2
+T2 static INLINE void pass2_avx2e_groups(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j,
+                                         int64_t j0, const float *buf, float denom, float amag, float s,
+                                         const float *col_root, float row_root, int64_t c0, const int kind,
+                                         const int pdt, const int markstein, const int clamp, const int groups) {
     const __m256 vden = _mm256_set1_ps(denom), vmag = _mm256_set1_ps(amag), vs = _mm256_set1_ps(s);
-    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f;
-    const __m256 vinv = _mm256_set1_ps(1.0f / denom), one = _mm256_set1_ps(1.0f);
+    const __m256 vinv = _mm256_set1_ps(1.0f / denom), half = _mm256_set1_ps(bucket_half(et->buckets));
     const __m256 vrow = _mm256_set1_ps(row_root), veps = _mm256_set1_ps(a->eps);
     const __m256 vdecay = _mm256_set1_ps(a->decay), vstep = _mm256_set1_ps(a->step);
-    const __m256 half = _mm256_set1_ps((float)(et->buckets / 2));
     const __m256i last = _mm256_set1_epi32((int)et->buckets - 1), zero = _mm256_setzero_si256();
-    uint8_t *const codes = a->codes;
-    int64_t j = j0;
-    for (; j + 8 <= j1; j += 8) {
-        const int64_t e = base + j;
-        __m256 u = quotient8(_mm256_loadu_ps(buf + j), vden, vinv, markstein);
-        __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), half));
-        b = _mm256_min_epi32(_mm256_max_epi32(b, zero), last); /* NaN / overflow -> INT_MIN -> 0 */
-        int32_t bi[8];
-        _mm256_storeu_si256((__m256i *)bi, b);
-#define ENTRY_PAIR(k) \
-    _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(entry + 4 * bi[k])), _mm_load_ps(entry + 4 * bi[k + 4]), 1)
-        const __m256 r0 = ENTRY_PAIR(0), r1 = ENTRY_PAIR(1), r2 = ENTRY_PAIR(2), r3 = ENTRY_PAIR(3);
-#undef ENTRY_PAIR
-        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-        __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-        __m256 th = _mm256_shuffle_ps(t0, t2, 0x44), lo = _mm256_shuffle_ps(t0, t2, 0xEE);
-        __m256 hi = _mm256_shuffle_ps(t1, t3, 0x44), k0 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        __m256 pass = _mm256_cmp_ps(th, u, _CMP_LT_OQ);
-        __m256i idx = _mm256_sub_epi32(_mm256_castps_si256(k0), _mm256_castps_si256(pass));
-        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
-        _mm_storel_epi64((__m128i *)(codes + e), _mm_packus_epi16(w, w));
-        __m256 m_hat = _mm256_mul_ps(_mm256_blendv_ps(lo, hi, pass), vmag);
+    __m256 u[PASS2E_GROUPS], th[PASS2E_GROUPS], lo[PASS2E_GROUPS], hi[PASS2E_GROUPS], k0[PASS2E_GROUPS];
+    UNROLL4
+    for (int g = 0; g < groups; g++) {
+        u[g] = quotient8(_mm256_loadu_ps(buf + j + 8 * g), vden, vinv, markstein);
+        __m256i b = _mm256_cvttps_epi32(_mm256_fmadd_ps(u[g], half, half)); /* |u| <= 1: [0, buckets) */
+        if (clamp) b = _mm256_min_epi32(_mm256_max_epi32(b, zero), last); /* NaN (INT_MIN) or |u| > 1 */
+        entries8(et->entry, _mm256_slli_epi32(b, 4), &th[g], &lo[g], &hi[g], &k0[g]);
+    }
+    __m256i idx[PASS2E_GROUPS];
+    __m256 m_hat[PASS2E_GROUPS];
+    UNROLL4
+    for (int g = 0; g < groups; g++) {
+        const __m256 pass = _mm256_cmp_ps(th[g], u[g], _CMP_LT_OQ);
+        idx[g] = _mm256_sub_epi32(_mm256_castps_si256(k0[g]), _mm256_castps_si256(pass));
+        m_hat[g] = _mm256_mul_ps(_mm256_blendv_ps(lo[g], hi[g], pass), vmag);
+    }
+    uint8_t *const codes = a->codes + base + j;
+    if (groups == 2) { /* 16 codes: [0-3 4-7 | 8-11 12-15] as words -> bytes in order */
+        const __m256i w = _mm256_packus_epi32(idx[0], idx[1]); /* 0-3 8-11 | 4-7 12-15 */
+        const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storeu_si128((__m128i *)codes,
+                         _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)));
+    } else {
+        UNROLL4
+    for (int g = 0; g < groups; g++) {
+            const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx[g]), _mm256_extracti128_si256(idx[g], 1));
+            _mm_storel_epi64((__m128i *)(codes + 8 * g), _mm_packus_epi16(w, w));
+        }
+    }
+    UNROLL4
+    for (int g = 0; g < groups; g++) {
+        const int64_t e = base + j + 8 * g;
         if (kind == KIND_MOMENTUM) {
-            _mm256_storeu_ps(a->out + e, m_hat);
+            _mm256_storeu_ps(a->out + e, m_hat[g]);
             continue;
         }
         __m256 d;
         if (kind == KIND_FACTORED) {
-            __m256 den = _mm256_add_ps(_mm256_mul_ps(vrow, _mm256_loadu_ps(col_root + c0 + (j - j0))), veps);
-            d = _mm256_div_ps(m_hat, den);
+            __m256 den = _mm256_add_ps(_mm256_mul_ps(vrow, _mm256_loadu_ps(col_root + c0 + (j - j0) + 8 * g)), veps);
+            d = _mm256_div_ps(m_hat[g], den);
         } else {
-            d = _mm256_mul_ps(m_hat, vs);
+            d = _mm256_mul_ps(m_hat[g], vs);
         }
         __m256 p = _mm256_mul_ps(ld8(a->param, e, pdt), vdecay);
         st8(a->param, e, pdt, _mm256_fmadd_ps(d, vstep, p));
     }
+}
+T2 static INLINE void pass2_avx2e_body(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j0,
+                                       int64_t j1, const float *buf, float denom, float amag, float s,
+                                       const float *col_root, float row_root, int64_t c0, const int kind,
+                                       const int pdt, const int markstein, const int clamp) {
+    int64_t j = j0;
+    for (; j + 8 * PASS2E_GROUPS <= j1; j += 8 * PASS2E_GROUPS)
+        pass2_avx2e_groups(a, et, base, j, j0, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, markstein,
+                           clamp, PASS2E_GROUPS);
+    for (; j + 8 <= j1; j += 8)
+        pass2_avx2e_groups(a, et, base, j, j0, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, markstein,
+                           clamp, 1);
     pass2_scalar(a, base, j, j1, buf, denom, amag, s, col_root, row_root, c0 + (j - j0));
 }
 T2 static void pass2_avx2e(const gefen_step_args *a, const entry_table *et, int64_t base, int64_t j0, int64_t j1,
                            const float *buf, float denom, float amag, float s, const float *col_root, float row_root,
                            int64_t c0) {
-#define P2E(kind, pdt) pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt)
+    /* As pass2_vbmi: Markstein's quotient where denom allows it; buckets clamped only when max |m| is not finite
+     * (NaN, or inf: then u = m / inf may be NaN). */
+    const int markstein = denom >= 0x1p-64f && denom <= 0x1p64f, clamp = !(amag >= 0.0f && amag <= FLT_MAX);
+#define P2E(kind, pdt)                                                                                                 \
+    do {                                                                                                               \
+        if (clamp) pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, 0, 1); \
+        else if (markstein)                                                                                            \
+            pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, 1, 0);       \
+        else pass2_avx2e_body(a, et, base, j0, j1, buf, denom, amag, s, col_root, row_root, c0, kind, pdt, 0, 0);      \
+    } while (0)
     DISPATCH_KIND_DTYPE(a, P2E);
 #undef P2E
 }
@@ -345,18 +430,9 @@ struct vbmi_tables {
     int64_t steps;      /* compares after the bucket look-up (thresholds below 1 in one bucket, at most) */
 };
 
-/* The scale of the byte-shuffle buckets: the float just below nb / 2, so that u in [-1, 1] falls in bucket
- * trunc(fma(u, H, H)) in [0, nb - 1] with no clamp (u = 1 gives 2H < nb). */
-static inline float vbmi_half(int64_t nb) { return nextafterf((float)(nb / 2), 0.0f); }
-/* The bucket of u (clamped: the table builder's and the clamping pass's rule; NaN -> 0). */
-static inline int64_t vbmi_bucket(float u, int64_t nb) {
-    const float h = vbmi_half(nb), t = fmaf(u, h, h);
-    return (t >= 1.0f) ? ((t < (float)(nb - 1)) ? (int64_t)t : nb - 1) : 0;
-}
-
 /* A bucket table of its own for the byte-shuffle search: `buckets` uniform buckets (chosen per codebook for the
  * fewest shuffles: a larger table costs 4 more per 256 entries, each compare step about 22), base[b] = number of
- * thresholds whose bucket (vbmi_bucket) is below b. Any monotone bucket function gives the exact rule (see
+ * thresholds whose bucket (bucket_of) is below b. Any monotone bucket function gives the exact rule (see
  * gefen.math.lookup). */
 TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
     vbmi_tables *vt = (vbmi_tables *)aligned_alloc(64, sizeof(vbmi_tables));
@@ -371,7 +447,7 @@ TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
         int64_t steps = 0;
         for (int i = 0; i < 255; i++) {
             if (!(thr[i] < 1.0f)) continue;
-            int64_t b = vbmi_bucket(thr[i], nb);
+            int64_t b = bucket_of(thr[i], nb);
             if (++count[b] > steps) steps = count[b];
         }
         int64_t cost = (nb / 256) * 4 + 22 * steps;
@@ -382,7 +458,7 @@ TV static vbmi_tables *make_vbmi_tables(const gefen_step_args *a) {
         uint8_t base[1024];
         int i = 0;
         for (int64_t b = 0; b < nb; b++) { /* thresholds (all 255, +1 copies too) whose bucket is below b */
-            while (i < 255 && vbmi_bucket(thr[i], nb) < b) i++;
+            while (i < 255 && bucket_of(thr[i], nb) < b) i++;
             base[b] = (uint8_t)i;
         }
         for (int64_t q = 0; q < nb / 256; q++)
@@ -499,7 +575,7 @@ TV static INLINE void pass2_vbmi_groups(const gefen_step_args *a, const vbmi_tab
     const __m512 vrow = _mm512_set1_ps(row_root), veps = _mm512_set1_ps(a->eps);
     const __m512 vdecay = _mm512_set1_ps(a->decay), vstep = _mm512_set1_ps(a->step);
     const __m512i zero = _mm512_setzero_si512(), ones8 = _mm512_set1_epi8(1), twos8 = _mm512_set1_epi8(2);
-    const __m512 half = _mm512_set1_ps(vbmi_half(buckets));
+    const __m512 half = _mm512_set1_ps(bucket_half(buckets));
     const __m512i last = _mm512_set1_epi32(buckets - 1), byte = _mm512_set1_epi16(255);
     __m512 u[PASS2_GROUPS][4];
     __m512i idx[PASS2_GROUPS];
