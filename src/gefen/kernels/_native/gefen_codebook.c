@@ -358,13 +358,23 @@ static void hist_flush(hist_counts *c) {
 }
 
 #if GEFEN_X86
-__attribute__((target("avx2"))) static int64_t hist_bins_avx2(const float *x, int64_t n, float a, int32_t *bins) {
-    const __m256 va = _mm256_set1_ps(a), one = _mm256_set1_ps(1.0f), scale = _mm256_set1_ps(2048.0f);
+__attribute__((target("avx2,fma"))) static int64_t hist_bins_avx2(const float *x, int64_t n, float a,
+                                                                   int32_t *bins) {
+    const __m256 va = _mm256_set1_ps(a), inv = _mm256_set1_ps(1.0f / a), scale = _mm256_set1_ps(2048.0f);
     const __m256i top = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
+    const int markstein = a >= 0x1p-64f && a <= 0x1p64f; /* u = x / a correctly rounded, as hist_bins_avx512 */
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 u = _mm256_div_ps(_mm256_loadu_ps(x + i), va);
-        __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), scale)); /* >= 0: trunc = floor */
+        const __m256 v = _mm256_loadu_ps(x + i);
+        __m256 u;
+        if (markstein) {
+            const __m256 q = _mm256_mul_ps(v, inv);
+            u = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, va, v), inv, q);
+        } else {
+            u = _mm256_div_ps(v, va);
+        }
+        /* (u + 1) * 2048 = fma(u, 2048, 2048): the scaling by 2048 is exact; >= 0, so trunc = floor */
+        const __m256i b = _mm256_cvttps_epi32(_mm256_fmadd_ps(u, scale, scale));
         _mm256_storeu_si256((__m256i *)(bins + i), _mm256_min_epi32(_mm256_max_epi32(b, zero), top));
     }
     return i;
@@ -412,6 +422,9 @@ T512H static int64_t hist_bins_avx512(const float *x, int64_t n, float a, int32_
     return i;
 }
 
+#ifndef HIST_PREFETCH
+#define HIST_PREFETCH 1024
+#endif
 /* max |x[0..n)| into *a (0 when all zero); returns 0 when a value is NaN or infinite. */
 __attribute__((target("avx2"))) static int hist_max_avx2(const float *x, int64_t n, float *a) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -419,6 +432,7 @@ __attribute__((target("avx2"))) static int hist_max_avx2(const float *x, int64_t
     __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        _mm_prefetch((const char *)(x + i + HIST_PREFETCH), _MM_HINT_T0);
         const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, big, _CMP_NLE_UQ));
         mx = _mm256_max_ps(mx, v);

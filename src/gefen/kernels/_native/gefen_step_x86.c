@@ -39,6 +39,10 @@ T2 static inline __m256 decode8(const float *cb, const uint8_t *c) {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
+/* Software prefetch distance of pass 1's streams (gradient, codes), in elements: Zen 1, 1 thread, 8M-element
+ * factored weight from DRAM, pass 1 1.12-1.22 -> 0.88-0.92 ns/element (T0; pass 2's parameter stream gained
+ * nothing). */
+#define AVX2_PREFETCH 1024
 /* Pass 1 of a block, 16 elements at a time (the two 8-lane halves are the sum's lanes 0-7 and 8-15, as in
  * every ISA); gdt, high and zero are compile-time constants at every call site (zero: see pass1_vbmi_body). */
 T2 static INLINE float pass1_avx2_body(const gefen_step_args *a, int64_t base, int64_t P, float a_old, float *buf,
@@ -51,6 +55,8 @@ T2 static INLINE float pass1_avx2_body(const gefen_step_args *a, int64_t base, i
     __m256 mx0 = _mm256_setzero_ps(), mx1 = _mm256_setzero_ps(), acc0 = _mm256_setzero_ps(), acc1 = acc0;
     const int64_t full = P - P % 16;
     for (int64_t j = 0; j < full; j += 16) {
+        _mm_prefetch(grad + (j + AVX2_PREFETCH) * (gdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
+        if (!zero && (j & 63) == 0) _mm_prefetch((const char *)codes + j + AVX2_PREFETCH, _MM_HINT_T0);
         const __m256 g0 = ld8(grad, j, gdt), g1 = ld8(grad, j + 8, gdt);
         __m256 mo0 = _mm256_setzero_ps(), mo1 = mo0;
         if (!zero) {
