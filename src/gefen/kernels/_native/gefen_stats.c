@@ -106,12 +106,18 @@ T2 static inline double sum4d(__m256d s0, __m256d s1) {
     _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
+/* Prefetch distance (elements) of the AVX2 statistics pass and usability check, the step's first reads of the
+ * gradients (Zen 1, 1 thread, 8192 x 512 from DRAM: row sums 0.73-0.79 -> 0.59-0.61 ns/element). */
+#ifndef STATS_PREFETCH
+#define STATS_PREFETCH 1024
+#endif
 T2 static INLINE double row_sq_avx2_body(const gefen_step_args *a, int64_t base, int64_t C, double *col,
                                         const int gdt) {
     __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
     int64_t c = 0;
     for (; c + 8 <= C; c += 8) {
         __m256d lo, hi;
+        _mm_prefetch((const char *)a->grad + (base + c + STATS_PREFETCH) * (gdt == DT_F32 ? 4 : 2), _MM_HINT_T0);
         sq_wide8(a, base + c, &lo, &hi, gdt);
         s0 = _mm256_add_pd(s0, lo);
         s1 = _mm256_add_pd(s1, hi);
@@ -214,9 +220,11 @@ T2 static int usable_avx2(const gefen_step_args *a, int64_t i0, int64_t i1) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     int64_t i = i0;
-    for (; i + 8 <= i1; i += 8)
+    for (; i + 8 <= i1; i += 8) {
+        _mm_prefetch((const char *)a->grad + (i + STATS_PREFETCH) * (a->grad_dtype == DT_F32 ? 4 : 2), _MM_HINT_T0);
         ok = _mm256_and_ps(ok,
                            _mm256_cmp_ps(_mm256_and_ps(ld8(a->grad, i, a->grad_dtype), absmask), bound, _CMP_LE_OQ));
+    }
     return _mm256_movemask_ps(ok) == 0xff && usable_scalar(a, i, i1);
 }
 #endif
