@@ -12,13 +12,18 @@ Prints one JSON object::
      "ratio_gefen_native_vs_adamw_fused": float,
      "ratio_gefen_compiled_vs_adamw_fused": float, "ratio_gefen_eager_vs_adamw_fused": float,
      "ratio_gefen_first_step_vs_step": float, "first_step_pairs": {...}, "ratio_gefen_muon_vs_torch_muon": float,
-     "ratio_gefen_vs_adamw_fused_1_thread": float, "nonfinite_check_s": float,
+     "ratio_gefen_vs_adamw_fused_1_thread": float, "torch_muon_newton_schulz_in_fp32": bool, "nonfinite_check_s": float,
      "nonfinite_check_fraction_of_gefen_step": float, "nonfinite_check_eager_s": float}
 
 ``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``backend="auto"``: the native kernels on
 the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, the same
 ``adamw_fused`` and ``gefen`` rows again with one thread (``*_1_thread``), and on the 2-D hidden weights only (the
 Muon half of a hybrid; their rows carry ``params`` and bytes/param over those) ``torch_muon`` and ``gefen_muon``.
+On a CPU without bf16 matrix instructions (no AVX-512 BF16 or AMX) ``torch_muon``'s Newton–Schulz runs as fp32
+GEMMs of the bf16 operands, as in ``gefen demo`` (``gefen.cli._optimizers.torch_muon_gemms_in_fp32``: the same
+values up to fp32 summation order; on a Zen 1 machine torch's own scalar bf16 fallback took 2.0 s per 512 x 512
+matrix per step against 0.19 s, which made this row last tens of minutes); ``torch_muon_newton_schulz_in_fp32``
+says whether it did.
 ``bytes_moved_per_param`` counts the memory one step reads and writes per parameter (parameter and gradient,
 AdamW's two moments, Gefen's codes, magnitudes and second moment, and the factored second pass over the gradient),
 ``effective_gb_s`` is that traffic over the step time, to compare with ``stream_bandwidth_gb_s`` (a large
@@ -347,8 +352,13 @@ def main() -> None:
     }
     if args.skip_compiled or device.type not in ("cpu", "cuda"):
         del factories["gefen_compiled"]
+    torch_muon_fp32 = False
     if args.skip_muon:
         del factories["torch_muon"], factories["gefen_muon"]
+    elif device.type == "cpu":  # else torch's scalar bf16 GEMM fallback takes tens of minutes (see below)
+        from gefen.cli._optimizers import torch_muon_gemms_in_fp32
+
+        torch_muon_fp32 = torch_muon_gemms_in_fp32()
     if device.type != "cpu":
         del factories["gefen_native"]
     initial = [p.detach().clone() for p in params]
@@ -430,6 +440,7 @@ def main() -> None:
                 / results["torch_muon"]["opt_step_time_s"]
                 if "torch_muon" in results
                 else None,
+                "torch_muon_newton_schulz_in_fp32": torch_muon_fp32,
                 "nonfinite_check_s": check_s,
                 "nonfinite_check_fraction_of_gefen_step": check_s / pairs[""]["b_s"],
                 "nonfinite_check_eager_s": check_eager_s,
