@@ -4,6 +4,17 @@
  * every function here gives the results of the scalar pass it replaces (see the rounding rules there).
  */
 #if GEFEN_X86
+/* CALL(gradient dtype, high) with both as compile-time constants (the pass-1 bodies' specialisations): CALL
+ * returns. */
+#define DISPATCH_GRAD_LERP(gdt, high, CALL)                                                                            \
+    switch ((gdt) * 2 + (high)) {                                                                                      \
+    case DT_F32 * 2: CALL(DT_F32, 0);                                                                                  \
+    case DT_F32 * 2 + 1: CALL(DT_F32, 1);                                                                              \
+    case DT_BF16 * 2: CALL(DT_BF16, 0);                                                                                \
+    case DT_BF16 * 2 + 1: CALL(DT_BF16, 1);                                                                            \
+    case DT_F16 * 2: CALL(DT_F16, 0);                                                                                  \
+    default: CALL(DT_F16, 1);                                                                                          \
+    }
 /* ---------------- AVX2 + FMA + F16C: 8 lanes */
 #define T2 __attribute__((target("avx2,fma,f16c")))
 T2 static inline __m256 ld8(const void *p, int64_t i, int64_t dt) {
@@ -95,14 +106,7 @@ T2 static float pass1_avx2(const gefen_step_args *a, int64_t base, int64_t P, fl
 #define P1(gdt, hi)                                                                                                    \
     return zero ? pass1_avx2_body(a, base, P, a_old, buf, sq, gdt, hi, 1)                                              \
                 : pass1_avx2_body(a, base, P, a_old, buf, sq, gdt, hi, 0)
-    switch (a->grad_dtype * 2 + high) {
-    case DT_F32 * 2: P1(DT_F32, 0);
-    case DT_F32 * 2 + 1: P1(DT_F32, 1);
-    case DT_BF16 * 2: P1(DT_BF16, 0);
-    case DT_BF16 * 2 + 1: P1(DT_BF16, 1);
-    case DT_F16 * 2: P1(DT_F16, 0);
-    default: P1(DT_F16, 1);
-    }
+    DISPATCH_GRAD_LERP(a->grad_dtype, high, P1);
 #undef P1
 }
 
@@ -542,14 +546,7 @@ TV static float pass1_vbmi(const gefen_step_args *a, const vbmi_tables *vt, int6
 #define P1(gdt, hi)                                                                                                    \
     return zero ? pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, gdt, hi, 1)                                          \
                 : pass1_vbmi_body(a, vt, base, P, a_old, buf, sq, gdt, hi, 0)
-    switch (a->grad_dtype * 2 + high) {
-    case DT_F32 * 2: P1(DT_F32, 0);
-    case DT_F32 * 2 + 1: P1(DT_F32, 1);
-    case DT_BF16 * 2: P1(DT_BF16, 0);
-    case DT_BF16 * 2 + 1: P1(DT_BF16, 1);
-    case DT_F16 * 2: P1(DT_F16, 0);
-    default: P1(DT_F16, 1);
-    }
+    DISPATCH_GRAD_LERP(a->grad_dtype, high, P1);
 #undef P1
 }
 
