@@ -449,17 +449,14 @@ def record(
     :func:`run_records` returns and has checked them (:func:`native_step` does, with :func:`check_arguments`).
     """
     codebook, lut, thresholds = tables
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    w = 1.0 - beta1
-    factored = kind == "factored"
     return (
         param.data_ptr() if param is not None else 0,
         grad.data_ptr(),
         codes.data_ptr(),
         scale.data_ptr(),
         second[0].data_ptr() if kind == "block" else 0,
-        second[0].data_ptr() if factored else 0,
-        second[1].data_ptr() if factored else 0,
+        second[0].data_ptr() if kind == "factored" else 0,
+        second[1].data_ptr() if kind == "factored" else 0,
         out.data_ptr() if out is not None else 0,
         codebook.data_ptr(),
         lut.data_ptr(),
@@ -471,9 +468,29 @@ def record(
         NATIVE_DTYPES[param.dtype] if param is not None else 0,
         NATIVE_DTYPES[grad.dtype],
         steps,
+        *_step_constants(
+            kind, beta1, beta2, eps, lr, weight_decay, step, torch.get_num_threads() if threads is None else threads
+        ),
+        grad_bound,
+        global_rows,
+        reduce_offset,
+        _counter_pointer(counter),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _step_constants(
+    kind: str, beta1: float, beta2: float, eps: float, lr: float, weight_decay: float, step: int, threads: int
+) -> tuple[object, ...]:
+    """The fields ``lerp_high`` .. ``bc2`` of a record (see :func:`record`): the same for every parameter of a
+    group at one step, so computed once (a scheduler's new lr or the next step is a new cache entry)."""
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    w = 1.0 - beta1
+    factored = kind == "factored"
+    return (
         int(abs(_float32(w)) >= 0.5),
         _KINDS[kind],
-        torch.get_num_threads() if threads is None else threads,
+        threads,
         w,
         beta2,
         1.0 - beta2,
@@ -483,10 +500,6 @@ def record(
         math.sqrt(bc2),
         1.0 / bc1,
         bc2,
-        grad_bound,
-        global_rows,
-        reduce_offset,
-        _counter_pointer(counter),
     )
 
 

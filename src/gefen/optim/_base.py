@@ -417,25 +417,35 @@ class GefenOptimizer(torch.optim.Optimizer):
             grad = p.grad
             if grad is None or p.numel() == 0:
                 continue
-            where = f"{self.kind}: gradient of {name}"
-            shard = self._shard_of(p)
+            param, shard = p, self._shard_of(p)
             if shard is not None:
                 if not is_dtensor(grad) or tuple(grad.placements) != tuple(p.placements):
                     raise StepError(
-                        f"{where} is not a DTensor with the parameter's placements {tuple(p.placements)}; "
-                        "FSDP2 produces sharded gradients for sharded parameters."
+                        f"{self.kind}: gradient of {name} is not a DTensor with the parameter's placements "
+                        f"{tuple(p.placements)}; FSDP2 produces sharded gradients for sharded parameters."
                     )
                 grad, p = grad.to_local(), p.to_local()
-            if grad.is_sparse or grad.layout != torch.strided:
-                raise StepError(f"{where} has layout {grad.layout}; {self.kind} needs dense (strided) gradients.")
-            if grad.is_complex() or not grad.is_floating_point():
-                raise StepError(f"{where} has dtype {grad.dtype}; a real floating gradient is required.")
+            # one attribute read per rule on the common path (a sparse or complex gradient fails the first two)
+            if grad.layout != torch.strided:
+                raise StepError(
+                    f"{self.kind}: gradient of {name} has layout {grad.layout}; {self.kind} needs dense (strided) "
+                    "gradients."
+                )
+            if not grad.is_floating_point():
+                raise StepError(
+                    f"{self.kind}: gradient of {name} has dtype {grad.dtype}; a real floating gradient is required."
+                )
             if grad.shape != p.shape:
-                raise StepError(f"{where} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}.")
-            if grad.device != p.device:
-                raise StepError(f"{where} is on {grad.device}, the parameter on {p.device}; move them together.")
-            param = self.param_groups[g]["params"][_i]
-            problem = state_mismatch(local_state(self.state.get(param, {})), tuple(p.shape), p.device)
+                raise StepError(
+                    f"{self.kind}: gradient of {name} has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}."
+                )
+            device = p.device
+            if grad.device != device:
+                raise StepError(
+                    f"{self.kind}: gradient of {name} is on {grad.device}, the parameter on {device}; move them "
+                    "together."
+                )
+            problem = state_mismatch(local_state(self.state.get(param, {})), tuple(p.shape), device)
             if problem is not None:
                 raise StepError(
                     f"{self.kind}: the state of {name} no longer fits the parameter ({problem}); nothing was "

@@ -85,22 +85,23 @@ def run_native_jobs(
         if grad.dtype == torch.float64 or not grad.is_contiguous():
             grad = kernel_grad(grad, (numel,))
         kind = "factored" if factored else "block"
-        call = {
-            "grad": grad,
-            "codes": codes,
-            "scale": scale,
-            "tables": tables,
-            "steps": table.steps,
-            "period": codes.shape[1],
-            "param": work,
-            "second": second,
-            "shape": tuple(param.shape) if factored else (0, 0),
-        }
+        shape = tuple(param.shape) if factored else (0, 0)
         if not (codes.is_contiguous() and scale.is_contiguous() and second[0].is_contiguous()) or (
             factored and not second[1].is_contiguous()
         ):
-            check_native_arguments(kind, **call)
-        keep.append(call)
+            check_native_arguments(
+                kind,
+                grad=grad,
+                codes=codes,
+                scale=scale,
+                tables=tables,
+                steps=table.steps,
+                period=codes.shape[1],
+                param=work,
+                second=second,
+                shape=shape,
+            )
+        keep.append((grad, work))
         values = hyper.get(id(group))
         if values is None:
             beta1, beta2 = (as_float(b) for b in group["betas"])
@@ -110,7 +111,15 @@ def run_native_jobs(
         records.append(
             native_record(
                 kind,
-                **call,
+                grad=grad,
+                codes=codes,
+                scale=scale,
+                tables=tables,
+                steps=table.steps,
+                period=codes.shape[1],
+                param=work,
+                second=second,
+                shape=shape,
                 beta1=beta1,
                 beta2=beta2,
                 eps=eps,

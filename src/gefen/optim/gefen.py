@@ -497,6 +497,9 @@ class Gefen(GefenOptimizer):
                             f"{self.kind}: the native CPU backend is unavailable ({reason}); using the eager step "
                             "(same results, slower). backend='native' would raise instead."
                         )
+                    if backend == "native":  # auto_backend chose it: native_supports holds
+                        chosen[id(item.param)] = "native"
+                        continue
                 if backend == "native":
                     reason = native_supports(item.param, item.grad.dtype)
                     if reason:
