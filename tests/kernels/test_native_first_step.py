@@ -95,8 +95,8 @@ print("SAME")
 
 @pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_WAIT_POLICY": "passive"}], ids=str)
 def test_native_loops_in_one_parallel_region_whatever_the_team(env) -> None:
-    """The fit's layers share one parallel region of two threads (a barrier after each layer's middle row and
-    halves), and so do the period scores' three loops: a runtime that gives a team of one thread
+    """The fit's layers share one parallel region of two threads (both solve each layer's middle row, then one
+    half each, then a barrier), and so do the period scores' three loops: a runtime that gives a team of one thread
     (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on that thread instead of waiting at a barrier
     forever, and one whose idle workers sleep gives the same centres (4096 active bins: the two-thread layers) and
     the same scores as one thread."""

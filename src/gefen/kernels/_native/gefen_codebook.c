@@ -211,10 +211,12 @@ static void dp_rows(const dp_layer *ly, int64_t a, int64_t b, int64_t lo, int64_
 }
 
 /* ------------------------------------------------------------------ the layers, one after the other
- * On two threads the whole fit is one parallel region: each layer's middle row is solved by thread 0, then each
- * thread solves one half, with a barrier of the two threads after the middle row and after the halves. A region
- * per layer (253 of ~40 us for k = 255) waited for the idle worker's wake-up each time (see gefen_threads.c): the
- * fit took 17-21 ms instead of 10 ms inside a busy process. */
+ * On two threads the whole fit is one parallel region: for each layer both threads solve its middle row (thread 1
+ * into its own copy of the row's outputs: the same values, from the same inputs and window), then each solves one
+ * half, bounded by that row's window ends, and one barrier of the two threads ends the layer. A region per layer
+ * (253 of ~40 us for k = 255) waited for the idle worker's wake-up each time (see gefen_threads.c): the fit took
+ * 17-21 ms instead of 10 ms inside a busy process. Thread 1 waiting at a barrier for thread 0's middle row
+ * instead of solving it too cost 11-13 % of the fit (Zen 1, k = 255, A = 4096: 37.5 -> 32.4 ms). */
 typedef struct {
     const double *W, *X, *Q;
     double *buf[2];             /* F of the odd / even layers (layer 1 in buf[1]) */
@@ -225,6 +227,8 @@ typedef struct {
     int avx2, avx512;
     double slack0, slack1;
     team_barrier barrier;
+    double *own_F;       /* (rows,) thread 1's copy of each layer's middle row: F, then arg, L, R in own_idx */
+    int32_t *own_idx;    /* (3, rows) */
 } fit_ctx;
 
 /* Layer c's record (its F from the previous layer's, its tolerance from max |F| of that layer). */
@@ -256,10 +260,16 @@ static void fit_region(void *data) {
     int phase = 0;
     for (int64_t c = 2; c < f->k; c++) {
         const dp_layer ly = fit_layer(f, c); /* both threads: the same values (F_prev is complete) */
-        if (me == 0) dp_solve(&ly, mid, 0, mid, f->scratch);
-        team_wait(&f->barrier, 2, &phase); /* the middle row's window ends are in L, R */
-        if (me == 0) dp_rows(&ly, 0, mid - 1, 0, f->R[mid], f->scratch, f->segs);
-        else dp_rows(&ly, mid + 1, rows - 1, f->L[mid], rows - 1, f->scratch + rows + 8, f->segs + 8 * (rows + 2));
+        if (me == 0) {
+            dp_solve(&ly, mid, 0, mid, f->scratch);
+            dp_rows(&ly, 0, mid - 1, 0, f->R[mid], f->scratch, f->segs);
+        } else {
+            dp_layer own = ly;
+            own.F = f->own_F, own.arg = f->own_idx, own.L = f->own_idx + rows, own.R = f->own_idx + 2 * rows;
+            double *scratch = f->scratch + rows + 8;
+            dp_solve(&own, mid, 0, mid, scratch);
+            dp_rows(&ly, mid + 1, rows - 1, own.L[mid], rows - 1, scratch, f->segs + 8 * (rows + 2));
+        }
         team_wait(&f->barrier, 2, &phase); /* the layer is complete before the next one reads it */
     }
 }
@@ -297,15 +307,19 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     int32_t *R = (int32_t *)malloc((size_t)rows * sizeof(int32_t));
     int32_t *segs = (int32_t *)malloc((size_t)(rows + 2) * 16 * sizeof(int32_t));
     int32_t *args = (int32_t *)malloc((size_t)rows * (size_t)k * sizeof(int32_t)); /* row c: layer c's arg-min */
-    if (!F || !G || !scratch || !out || !L || !R || !segs || !args) {
-        free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args);
+    double *own_F = (double *)malloc((size_t)rows * sizeof(double)); /* see fit_ctx: one element of each is used */
+    int32_t *own_idx = (int32_t *)malloc((size_t)rows * 3 * sizeof(int32_t));
+    if (!F || !G || !scratch || !out || !L || !R || !segs || !args || !own_F || !own_idx) {
+        free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args), free(own_F);
+        free(own_idx);
         return ERR_NOMEM;
     }
     const int pin = force_endpoints ? 1 : 0, avx2 = active_level() >= LEVEL_AVX2;
     const int avx512 = active_level() >= LEVEL_AVX512;
     for (int64_t j = 0; j < rows; j++) /* cluster 1 ends at e = 1 + j */
         G[j] = 0.0 + pinned_or_free(W[1 + j] - W[0], X[1 + j] - X[0], Q[1 + j] - Q[0], -pin);
-    fit_ctx fit = {W, X, Q, {F, G}, L, R, args, scratch, segs, k, rows, avx2, avx512, slack0, slack1, {0, 0}};
+    fit_ctx fit = {W, X, Q, {F, G}, L, R, args, scratch, segs, k, rows, avx2, avx512, slack0, slack1, {0, 0},
+                   own_F, own_idx};
     fit_layers(&fit, threads);
     const double *last = fit.buf[(k - 1) & 1]; /* F of layer k - 1 */
     /* the last cluster runs from s = k + i to A */
@@ -324,7 +338,7 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
     }
     out[0] = pin ? -1.0 : (X[1 + i] - X[0]) / (W[1 + i] - W[0]);
     memcpy(centres, out, (size_t)k * sizeof(double)); /* ascending by construction; the caller sorts anyway */
-    free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args);
+    free(F), free(G), free(scratch), free(out), free(L), free(R), free(segs), free(args), free(own_F), free(own_idx);
     return OK;
 }
 
