@@ -174,6 +174,29 @@ def test_native_muon_momentum_is_bit_identical(level: str, dtype: str) -> None:
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_non_contiguous_parameter_is_updated_in_place(level: str) -> None:
+    """A column-major leaf parameter (requires_grad) steps natively in a contiguous copy written back in place:
+    its layout is kept and its values, codes and magnitudes equal the eager step of a contiguous twin."""
+    native.force_level(level)
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(64, 48, generator=gen) * 0.1
+    p = base.clone().t().requires_grad_()  # (48, 64), column-major
+    q = torch.nn.Parameter(base.clone().t().contiguous())
+    assert not p.is_contiguous()
+    opt, twin = gefen.Gefen([p], lr=1e-2, backend="native"), gefen.Gefen([q], lr=1e-2, backend="eager")
+    for _ in range(3):
+        g = _grad((48, 64), 32, gen)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        twin.step()
+        assert not p.is_contiguous() and p.requires_grad
+        a, b = ParamState.from_dict(opt.state[p]), ParamState.from_dict(twin.state[q])
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+        assert torch.allclose(p.detach(), q.detach(), rtol=0, atol=1e-7)
+        _sync(opt, twin, [p], [q])
+
+
 def test_native_param_groups_with_a_scheduler_match_eager() -> None:
     """One native call steps every group with that group's own per-step constants (computed once per group and
     step): three groups, two of them with equal hyperparameters, one parameter starting a step later (its own bias

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,7 +65,7 @@ def run_native_jobs(
     for item, group in jobs:
         state = local_state(states[item.param])
         codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
-        param = item.target.detach()  # this rank's rows of a sharded parameter
+        param = item.target  # this rank's rows of a sharded parameter
         numel = param.numel()
         sharded_factored = item.shard is not None and state.get(SECOND_MOMENT_ROW) is not None
         offset = reduce_length
@@ -75,8 +76,10 @@ def run_native_jobs(
         if numel == 0:  # a rank without rows of a sharded parameter: only its counter moves
             empty_steps.append(step)
             continue
-        work = param if param.is_contiguous() else param.contiguous()
-        if work is not param:
+        work = param
+        if not param.is_contiguous():  # stepped in a contiguous copy, written back after the call
+            param = param.detach()
+            work = param.contiguous()
             copies.append((param, work))
         row = state.get(SECOND_MOMENT_ROW)
         factored = row is not None
@@ -129,7 +132,7 @@ def run_native_jobs(
                 threads=threads,
                 global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,
                 reduce_offset=offset if sharded_factored else 0,
-                grad_bound=as_float32(usable_bound(numel)) if check else 0.0,
+                grad_bound=_grad_bound(numel) if check else 0.0,
                 counter=step,  # the library advances it once the whole step is applied
             )
         )
@@ -146,3 +149,9 @@ def run_native_jobs(
     if empty_steps:
         torch._foreach_add_(empty_steps, 1)
     return []
+
+
+@functools.lru_cache(maxsize=1024)
+def _grad_bound(numel: int) -> float:
+    """:func:`gefen.amp.usable_bound` of ``numel`` elements rounded to fp32 (the library compares in fp32)."""
+    return as_float32(usable_bound(numel))

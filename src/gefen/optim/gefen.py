@@ -478,6 +478,7 @@ class Gefen(GefenOptimizer):
             StepError: a param group with ``fused=True`` has a signature that failed to compile.
         """
         chosen: dict[int, KernelSignature | str] = {}
+        auto_choices: dict[tuple[str, torch.dtype, torch.dtype], tuple[str, str]] = {}
         self._pending_codebook = codebook
         try:
             default = fused_by_default() if any(group_backend(group) == "auto" for _, group in jobs) else False
@@ -490,7 +491,11 @@ class Gefen(GefenOptimizer):
                         chosen[id(item.param)] = "native"
                     continue
                 if backend == "auto":
-                    backend, reason = auto_backend(item.param, item.grad.dtype, default)
+                    key = (item.param.device.type, item.param.dtype, item.grad.dtype)
+                    decided = auto_choices.get(key)  # the same answer for every parameter of this kind
+                    if decided is None:
+                        decided = auto_choices[key] = auto_backend(item.param, item.grad.dtype, default)
+                    backend, reason = decided
                     if reason and not self._warned_native:
                         self._warned_native = True
                         warn_user(
