@@ -88,23 +88,22 @@ def run_native_jobs(
         if grad.dtype == torch.float64 or not grad.is_contiguous():
             grad = kernel_grad(grad, (numel,))
         kind = "factored" if factored else "block"
-        shape = tuple(param.shape) if factored else (0, 0)
+        call = {
+            "grad": grad,
+            "codes": codes,
+            "scale": scale,
+            "tables": tables,
+            "steps": table.steps,
+            "period": codes.shape[1],
+            "param": work,
+            "second": second,
+            "shape": tuple(param.shape) if factored else (0, 0),
+        }
         if not (codes.is_contiguous() and scale.is_contiguous() and second[0].is_contiguous()) or (
             factored and not second[1].is_contiguous()
         ):
-            check_native_arguments(
-                kind,
-                grad=grad,
-                codes=codes,
-                scale=scale,
-                tables=tables,
-                steps=table.steps,
-                period=codes.shape[1],
-                param=work,
-                second=second,
-                shape=shape,
-            )
-        keep.append((grad, work))
+            check_native_arguments(kind, **call)
+        keep.append(call)
         values = hyper.get(id(group))
         if values is None:
             beta1, beta2 = (as_float(b) for b in group["betas"])
@@ -114,15 +113,7 @@ def run_native_jobs(
         records.append(
             native_record(
                 kind,
-                grad=grad,
-                codes=codes,
-                scale=scale,
-                tables=tables,
-                steps=table.steps,
-                period=codes.shape[1],
-                param=work,
-                second=second,
-                shape=shape,
+                **call,
                 beta1=beta1,
                 beta2=beta2,
                 eps=eps,
