@@ -270,6 +270,12 @@ def test_native_period_scores_checks() -> None:
     g = torch.randn(70_000)
     assert native.period_scores(g, []) == ([], True)
     assert native.period_scores(torch.zeros(70_000), [7]) == ([0.0], False)  # all zero: the flag, equal scores
+    for level in ("scalar", None):  # one per-element prefix (candidates 1 and 7), -0.0 everywhere: still zero
+        native.force_level(level)
+        try:
+            assert native.period_scores(torch.full((70_000,), -0.0), [1, 7]) == ([0.0, 0.0], False)
+        finally:
+            native.force_level(None)
     big = g.clone()
     big[69_999] = 2e19  # finite, but its square overflows fp32: the reference decides (None)
     assert native.period_scores(big, [7, 10]) == (None, True)
@@ -388,6 +394,7 @@ def test_native_grouped_period_scores_checks(level) -> None:
     try:
         g = torch.randn(n, generator=torch.Generator().manual_seed(3))
         assert native.period_scores(torch.zeros(n), needed) == ([0.0] * len(needed), False)
+        assert native.period_scores(torch.full((n,), -0.0), needed) == ([0.0] * len(needed), False)  # sign bits only
         assert native.period_scores(torch.full((n,), -3.0), needed) == ([0.0] * len(needed), True)
         for at in (0, 11 * 5957 + 3, n - 1):  # first element, a class chunk's edge, the last element
             big = g.clone()

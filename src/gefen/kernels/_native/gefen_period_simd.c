@@ -26,23 +26,36 @@ __attribute__((target("avx2,fma"))) static inline __m256d ln_positive4(__m256d x
     return _mm256_fmadd_pd(e, _mm256_set1_pd(LN2_HI), _mm256_add_pd(lnm, _mm256_mul_pd(e, _mm256_set1_pd(LN2_LO))));
 }
 
+/* element_flags for eight elements gi (squares x), accumulated per lane: *bad gets NaN, infinity or an overflowing
+ * square (x is g * g, never negative, so "not x <= max" is all three, a NaN of either sign included), *bits the OR
+ * of the gi themselves (some g != 0 iff a lane has a magnitude bit: flags_done), *varies x != x0. */
+__attribute__((target("avx2"))) static inline void flags8(__m256 gi, __m256 x, __m256 vx0, __m256 *bad, __m256 *bits,
+                                                          __m256 *varies) {
+    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(x, _mm256_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ));
+    *bits = _mm256_or_ps(*bits, gi);
+    *varies = _mm256_or_ps(*varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
+}
+
+/* The flags of flags8's accumulators into *flags (4: some g != 0, 8: some x != x0); returns 0 when one was bad. */
+__attribute__((target("avx2"))) static inline int flags_done(__m256 bad, __m256 bits, __m256 varies, int *flags) {
+    if (_mm256_movemask_ps(bad)) return 0;
+    if (!_mm256_testz_si256(_mm256_castps_si256(bits), _mm256_set1_epi32(0x7fffffff))) *flags |= 4;
+    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    return 1;
+}
+
 /* logs_scalar's groups of 8 of [i0, i1) (the same lanes and order); returns 0 when a value is not finite or
  * squares to an overflow (nothing summed: the caller redoes the chunk in scalar to tell which), else the sum. */
 __attribute__((target("avx2,fma"))) static int logs_avx2(const float *g, double *out, int64_t i0, int64_t i1,
                                                          float x0, double *sum, int *flags) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256d delta = _mm256_set1_pd(1e-12);
     __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps(), bits = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
     const __m256 vx0 = _mm256_set1_ps(x0);
     int64_t i = i0;
     for (; i + 8 <= i1; i += 8) {
         const __m256 gi = _mm256_loadu_ps(g + i), x = _mm256_mul_ps(gi, gi);
-        /* not (|g| <= max and x <= max): NaN, infinity or an overflowing square */
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
-        nonzero = _mm256_or_ps(nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
-        varies = _mm256_or_ps(varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
+        flags8(gi, x, vx0, &bad, &bits, &varies);
         const __m256d l0 = ln_positive4(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta));
         const __m256d l1 = ln_positive4(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta));
         _mm256_storeu_pd(out + i + 1, l0);
@@ -50,9 +63,7 @@ __attribute__((target("avx2,fma"))) static int logs_avx2(const float *g, double 
         acc0 = _mm256_add_pd(acc0, l0);
         acc1 = _mm256_add_pd(acc1, l1);
     }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    if (!flags_done(bad, bits, varies, flags)) return 0;
     double lanes[8];
     _mm256_storeu_pd(lanes, acc0);
     _mm256_storeu_pd(lanes + 4, acc1);
@@ -75,20 +86,17 @@ __attribute__((target("avx2"))) static double sum_values_avx2(const double *out,
     return total;
 }
 
-/* y' of the 8 elements at g as two vectors (elements 0-3, 4-7), with the flags' vector tests (bad: not finite, or
- * an overflowing square). */
+/* y' of the 8 elements at g as two vectors (elements 0-3, 4-7), with flags8's tests. y' = fma(x, 2^-44, 1e-12 2^-44)
+ * equals scaled_y's (x + 1e-12) 2^-44 (the AVX-512 path's rewrite: scaling by a power of two commutes with rounding
+ * while nothing is subnormal, and x + 1e-12 >= 1e-12). */
 __attribute__((target("avx2,fma"))) static inline void scaled_y8(const float *g, __m256 vx0, __m256 *bad,
-                                                                 __m256 *nonzero, __m256 *varies, __m256d *lo,
+                                                                 __m256 *bits, __m256 *varies, __m256d *lo,
                                                                  __m256d *hi) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256d delta = _mm256_set1_pd(1e-12), scale = _mm256_set1_pd(0x1p-44);
+    const __m256d scale = _mm256_set1_pd(0x1p-44), delta = _mm256_set1_pd(1e-12 * 0x1p-44);
     const __m256 gi = _mm256_loadu_ps(g), x = _mm256_mul_ps(gi, gi);
-    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_NLE_UQ));
-    *nonzero = _mm256_or_ps(*nonzero, _mm256_cmp_ps(gi, _mm256_setzero_ps(), _CMP_NEQ_UQ));
-    *varies = _mm256_or_ps(*varies, _mm256_cmp_ps(x, vx0, _CMP_NEQ_UQ));
-    *lo = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), delta), scale);
-    *hi = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), delta), scale);
+    flags8(gi, x, vx0, bad, bits, varies);
+    *lo = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), scale, delta);
+    *hi = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), scale, delta);
 }
 
 /* (p(a), p(b), p(c), p(d)) of four runs' lanes a..d, p(v) = (v0 v1)(v2 v3) (run_product's last step). */
@@ -113,7 +121,7 @@ __attribute__((target("avx2,fma"))) static void ln_array_avx2(const double *in, 
 __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, double *out, int64_t j0, int64_t j1,
                                                            float x0, int *flags) {
     const __m256 vx0 = _mm256_set1_ps(x0);
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps(), bits = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
     int64_t j = j0;
     while (j + 4 <= j1) { /* batches of up to 64 groups: their products into out, then their logs in place */
         const int64_t batch_end = j + 64 <= j1 ? j + 64 : j + ((j1 - j) & ~(int64_t)3), start = j;
@@ -121,16 +129,14 @@ __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, doubl
             __m256d lanes[4];
             for (int k = 0; k < 4; k++) {
                 __m256d lo, hi;
-                scaled_y8(g + 8 * (j + k), vx0, &bad, &nonzero, &varies, &lo, &hi);
+                scaled_y8(g + 8 * (j + k), vx0, &bad, &bits, &varies, &lo, &hi);
                 lanes[k] = _mm256_mul_pd(lo, hi);
             }
             _mm256_storeu_pd(out + j + 1, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
         }
         ln_array_avx2(out + start + 1, out + start + 1, batch_end - start);
     }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    if (!flags_done(bad, bits, varies, flags)) return 0;
     groups8_scalar(g, out, j, j1, x0, flags);
     return !(*flags & 3);
 }
@@ -168,7 +174,7 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
     const int64_t G = c->group, runs = c->runs, last = G - PERIOD_RUN * (runs - 1);
     double *out = c->prefix;
     const __m256 vx0 = _mm256_set1_ps(x0);
-    __m256 bad = _mm256_setzero_ps(), nonzero = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps(), bits = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
     int64_t r = j0 * runs, q = 0, j = j0, e = j0 * G; /* next run: its index, its place in group j, its start */
     const int64_t r_end = j1 * runs;
     double cur = 0.0; /* group j's value so far */
@@ -183,7 +189,7 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
         int64_t i = 0;
         for (; i + 8 <= len; i += 8) {
             __m256d lo, hi;
-            scaled_y8(g + e + i, vx0, &bad, &nonzero, &varies, &lo, &hi);
+            scaled_y8(g + e + i, vx0, &bad, &bits, &varies, &lo, &hi);
             _mm256_storeu_pd(y + i, lo);
             _mm256_storeu_pd(y + i + 4, hi);
         }
@@ -229,9 +235,7 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
         r += count;
         e += len;
     }
-    if (_mm256_movemask_ps(bad)) return 0;
-    if (_mm256_movemask_ps(nonzero)) *flags |= 4;
-    if (_mm256_movemask_ps(varies)) *flags |= 8;
+    if (!flags_done(bad, bits, varies, flags)) return 0;
     return !(*flags & 3);
 }
 
