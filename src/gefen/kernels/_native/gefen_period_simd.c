@@ -239,6 +239,49 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
     return !(*flags & 3);
 }
 
+/* The paired classes of one chunk in one read of g (see period_ctx.paired): class a (G = 8) values [a0, a1) and
+ * class b (G = b->group, one run per group) values [b0, b1) over the same elements, a0 * 8 = b0 * G to a1 * 8 =
+ * b1 * G. Per piece of whole groups of both (a multiple of lcm(8, G) elements, at most PERIOD_PIECE): y' once
+ * (squared, checked and scaled 8 at a time), then class a's products (group8_avx2's lanes y'_k y'_{k+4}) and
+ * class b's (groups_avx2's run_lanes), four groups at a time with the rest in scalar, and their logs: the values
+ * of group8_avx2 and groups_avx2, bit for bit. Returns 0 (values unusable) when a value is not finite or squares
+ * to an overflow, else 1 (flags 4 and 8 set in *flags). */
+__attribute__((target("avx2,fma"))) static int pair_avx2(const float *g, const period_class *a, const period_class *b,
+                                                         int64_t a0, int64_t a1, int64_t b0, float x0, int *flags) {
+    double y[PERIOD_PIECE + 16]; /* + 16: run_lanes reads 12 from the last group's start */
+    double prod[PERIOD_PIECE];
+    const int64_t G = b->group, lcm = 8 * G / gcd64(8, G), piece = PERIOD_PIECE / lcm * lcm;
+    const __m256 vx0 = _mm256_set1_ps(x0);
+    __m256 bad = _mm256_setzero_ps(), bits = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
+    for (int64_t e = 8 * a0, e1 = 8 * a1, ja = a0, jb = b0; e < e1;) {
+        const int64_t len = e1 - e < piece ? e1 - e : piece, na = len / 8, nb = len / G;
+        for (int64_t i = 0; i < len; i += 8) { /* len is a multiple of 8 */
+            __m256d lo, hi;
+            scaled_y8(g + e + i, vx0, &bad, &bits, &varies, &lo, &hi);
+            _mm256_storeu_pd(y + i, lo);
+            _mm256_storeu_pd(y + i + 4, hi);
+        }
+        for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
+        double *out = a->prefix + ja + 1;
+        int64_t k = 0;
+        for (; k + 4 <= na; k += 4) {
+            __m256d lanes[4];
+            for (int m = 0; m < 4; m++)
+                lanes[m] = _mm256_mul_pd(_mm256_loadu_pd(y + 8 * (k + m)), _mm256_loadu_pd(y + 8 * (k + m) + 4));
+            _mm256_storeu_pd(out + k, run_products4(lanes[0], lanes[1], lanes[2], lanes[3]));
+        }
+        for (; k < na; k++) out[k] = run_product(y + 8 * k, 8);
+        ln_array_avx2(out, out, na);
+        for (k = 0; k + 4 <= nb; k += 4)
+            _mm256_storeu_pd(prod + k, run_products4(run_lanes(y + G * k, G), run_lanes(y + G * (k + 1), G),
+                                                     run_lanes(y + G * (k + 2), G), run_lanes(y + G * (k + 3), G)));
+        for (; k < nb; k++) prod[k] = run_product(y + G * k, G);
+        ln_array_avx2(prod, b->prefix + jb + 1, nb);
+        e += len, ja += na, jb += nb;
+    }
+    return flags_done(bad, bits, varies, flags) && !(*flags & 3);
+}
+
 /* ------------------------------------------------------------------ AVX-512 grouped values (LEVEL_AVX512 and up)
  * The same values as groups_scalar, eight logs per register. Two exact rewrites: y' = fma(x, 2^-44, 1e-12 2^-44)
  * equals (x + 1e-12) 2^-44 (a power-of-two scaling commutes with rounding while nothing is subnormal, and
