@@ -141,6 +141,26 @@ __attribute__((target("avx2,fma"))) static int group8_avx2(const float *g, doubl
     return !(*flags & 3);
 }
 
+/* y'[i] of the len elements at g into y, then 16 ones (run_lanes reads 12 from the last run's start): squared,
+ * checked (flags8) and scaled 8 at a time, the last len % 8 in scalar (element_flags into *flags). */
+__attribute__((target("avx2,fma"))) static void piece_y_avx2(const float *g, int64_t len, double *y, float x0,
+                                                             __m256 vx0, __m256 *bad, __m256 *bits, __m256 *varies,
+                                                             int *flags) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        __m256d lo, hi;
+        scaled_y8(g + i, vx0, bad, bits, varies, &lo, &hi);
+        _mm256_storeu_pd(y + i, lo);
+        _mm256_storeu_pd(y + i + 4, hi);
+    }
+    for (; i < len; i++) {
+        const float gi = g[i], x = gi * gi;
+        element_flags(gi, x, x0, flags);
+        y[i] = scaled_y(x);
+    }
+    for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
+}
+
 /* Lanes 0..3 of one run of len (1..PERIOD_RUN) factors at y: a_k (run_product), missing factors as 1. Reads
  * y[0 .. 12) whatever len. */
 __attribute__((target("avx2,fma"))) static inline __m256d run_lanes(const double *y, int64_t len) {
@@ -186,19 +206,7 @@ __attribute__((target("avx2,fma"))) static int groups_avx2(const float *g, const
             len += l;
             qq = qq + 1 == runs ? 0 : qq + 1;
         }
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) {
-            __m256d lo, hi;
-            scaled_y8(g + e + i, vx0, &bad, &bits, &varies, &lo, &hi);
-            _mm256_storeu_pd(y + i, lo);
-            _mm256_storeu_pd(y + i + 4, hi);
-        }
-        for (; i < len; i++) {
-            const float gi = g[e + i], x = gi * gi;
-            element_flags(gi, x, x0, flags);
-            y[i] = scaled_y(x);
-        }
-        for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
+        piece_y_avx2(g + e, len, y, x0, vx0, &bad, &bits, &varies, flags);
         /* the runs' products (four at a time, the rest in scalar: the same values), then their logs */
         int64_t k = 0, off = 0, qk = q;
         for (; k + 4 <= count; k += 4) {
@@ -255,13 +263,7 @@ __attribute__((target("avx2,fma"))) static int pair_avx2(const float *g, const p
     __m256 bad = _mm256_setzero_ps(), bits = _mm256_setzero_ps(), varies = _mm256_setzero_ps();
     for (int64_t e = 8 * a0, e1 = 8 * a1, ja = a0, jb = b0; e < e1;) {
         const int64_t len = e1 - e < piece ? e1 - e : piece, na = len / 8, nb = len / G;
-        for (int64_t i = 0; i < len; i += 8) { /* len is a multiple of 8 */
-            __m256d lo, hi;
-            scaled_y8(g + e + i, vx0, &bad, &bits, &varies, &lo, &hi);
-            _mm256_storeu_pd(y + i, lo);
-            _mm256_storeu_pd(y + i + 4, hi);
-        }
-        for (int64_t k = 0; k < 16; k++) y[len + k] = 1.0;
+        piece_y_avx2(g + e, len, y, x0, vx0, &bad, &bits, &varies, flags); /* len: a multiple of 8 */
         double *out = a->prefix + ja + 1;
         int64_t k = 0;
         for (; k + 4 <= na; k += 4) {
