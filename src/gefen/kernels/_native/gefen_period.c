@@ -379,8 +379,6 @@ static void period_score_task(const void *ctx_, int64_t t, int64_t thread) {
     }
 }
 
-
-
 /* The classes of the candidates into groups[] (returns their count) and cand_class[]: the multiples of 8 (G = 8),
  * then, greedily from the smallest candidate left, G = that candidate, and each other candidate left (in the
  * caller's order) whose gcd with G is >= 2 joins, G becoming that gcd. One class of G = 1 (per element, every
