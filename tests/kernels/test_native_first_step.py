@@ -396,7 +396,7 @@ def test_native_grouped_period_scores_checks(level) -> None:
         assert native.period_scores(torch.zeros(n), needed) == ([0.0] * len(needed), False)
         assert native.period_scores(torch.full((n,), -0.0), needed) == ([0.0] * len(needed), False)  # sign bits only
         assert native.period_scores(torch.full((n,), -3.0), needed) == ([0.0] * len(needed), True)
-        for at in (0, 11 * 5957 + 3, n - 1):  # first element, a class chunk's edge, the last element
+        for at in (0, 65_472 + 3, n - 1):  # first element, past a paired chunk's edge (88 x 744), the last element
             big = g.clone()
             big[at] = 2e19
             assert native.period_scores(big, needed) == (None, True)

@@ -33,17 +33,20 @@ typedef struct {
 #if GEFEN_X86
 /* v[i] = F[i] + (q - x * x / w) for i in [lo, hi], four at a time (the same IEEE operations); returns the first i
  * left to do. */
+/* F[i] + (q - x * x / w) for four candidates: w = We - W[i] etc. (dp_row's operations). */
+__attribute__((target("avx2"))) static inline __m256d dp_cost4(__m256d we, __m256d xe, __m256d qe, const double *W,
+                                                               const double *X, const double *Q, const double *F) {
+    const __m256d w = _mm256_sub_pd(we, _mm256_loadu_pd(W)), x = _mm256_sub_pd(xe, _mm256_loadu_pd(X));
+    const __m256d q = _mm256_sub_pd(qe, _mm256_loadu_pd(Q));
+    return _mm256_add_pd(_mm256_loadu_pd(F), _mm256_sub_pd(q, _mm256_div_pd(_mm256_mul_pd(x, x), w)));
+}
+
 __attribute__((target("avx2"))) static int64_t dp_values_avx2(double We, double Xe, double Qe, const double *W,
                                                               const double *X, const double *Q, const double *F,
                                                               double *v, int64_t lo, int64_t hi) {
     const __m256d we = _mm256_set1_pd(We), xe = _mm256_set1_pd(Xe), qe = _mm256_set1_pd(Qe);
     int64_t i = lo;
-    for (; i + 3 <= hi; i += 4) {
-        __m256d w = _mm256_sub_pd(we, _mm256_loadu_pd(W + i)), x = _mm256_sub_pd(xe, _mm256_loadu_pd(X + i));
-        __m256d q = _mm256_sub_pd(qe, _mm256_loadu_pd(Q + i));
-        __m256d cost = _mm256_sub_pd(q, _mm256_div_pd(_mm256_mul_pd(x, x), w));
-        _mm256_storeu_pd(v + i, _mm256_add_pd(_mm256_loadu_pd(F + i), cost));
-    }
+    for (; i + 3 <= hi; i += 4) _mm256_storeu_pd(v + i, dp_cost4(we, xe, qe, W + i, X + i, Q + i, F + i));
     return i;
 }
 #endif
@@ -171,12 +174,9 @@ T512D static void dp_row512(const dp_layer *ly, int64_t j, int64_t lo, int64_t h
 T256D static inline __m256d dp_values4(const dp_layer *ly, int64_t e, int64_t lo, int64_t n) {
     const int64_t base = ly->c - 1 + lo;
     const __m256i valid = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
-    const __m256d w = _mm256_sub_pd(_mm256_set1_pd(ly->W[e]), _mm256_loadu_pd(ly->W + base));
-    const __m256d x = _mm256_sub_pd(_mm256_set1_pd(ly->X[e]), _mm256_loadu_pd(ly->X + base));
-    const __m256d q = _mm256_sub_pd(_mm256_set1_pd(ly->Q[e]), _mm256_loadu_pd(ly->Q + base));
-    const __m256d cost = _mm256_sub_pd(q, _mm256_div_pd(_mm256_mul_pd(x, x), w));
-    return _mm256_blendv_pd(_mm256_set1_pd(INFINITY), _mm256_add_pd(_mm256_loadu_pd(ly->F_prev + lo), cost),
-                            _mm256_castsi256_pd(valid));
+    const __m256d v = dp_cost4(_mm256_set1_pd(ly->W[e]), _mm256_set1_pd(ly->X[e]), _mm256_set1_pd(ly->Q[e]),
+                               ly->W + base, ly->X + base, ly->Q + base, ly->F_prev + lo);
+    return _mm256_blendv_pd(_mm256_set1_pd(INFINITY), v, _mm256_castsi256_pd(valid));
 }
 
 /* dp_row for a window of n candidates, 1 <= n <= 4 (two = 0, one vector) or 5 <= n <= 8 (two = 1), without a loop
