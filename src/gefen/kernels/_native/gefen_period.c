@@ -30,7 +30,11 @@ enum { ERR_NONFINITE = -3, ERR_OVERFLOW = -4 };
 #define PERIOD_CHUNK 65536
 
 static const double LN2_HI = 6.93147180369123816490e-01, LN2_LO = 1.90821492927058770002e-10;
-static const double SQRT2 = 1.41421356237309514547; /* the double nearest sqrt(2), below it */
+/* ln's reduction in integer arithmetic: adding LN_SHIFT to x's bits carries into the exponent exactly when x's
+ * mantissa m (in [1, 2)) is above SQRT2 = 0x3ff6a09e667f3bcd (the double nearest sqrt(2), below it), and the
+ * mantissa bits left plus LN_MID are m, or m / 2 after a carry (LN_MID = SQRT2 / 2 + 1 ulp, LN_SHIFT = 1.0 - LN_MID
+ * as bit patterns): the m and e of "if (m > SQRT2) m /= 2, e += 1", without the compare and the select. */
+static const uint64_t LN_SHIFT = 0x00095f619980c432ULL, LN_MID = 0x3fe6a09e667f3bceULL;
 
 /* The atanh series' coefficients 1/21, 1/19, ..., 1/3, in Horner order (every path evaluates them alike). */
 static const double ATANH_SERIES[10] = {1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0,
@@ -39,14 +43,11 @@ static const double ATANH_SERIES[10] = {1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 
 static inline double ln_positive(double x) { /* x > 0, finite, normal */
     uint64_t b;
     memcpy(&b, &x, 8);
-    double e = (double)(int64_t)(b >> 52) - 1023.0;
-    uint64_t mb = (b & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL;
+    b += LN_SHIFT;
+    const double e = (double)(int64_t)(b >> 52) - 1023.0;
+    const uint64_t mb = (b & 0x000fffffffffffffULL) + LN_MID;
     double m;
     memcpy(&m, &mb, 8);
-    if (m > SQRT2) {
-        m *= 0.5;
-        e += 1.0;
-    }
     double s = (m - 1.0) / (m + 1.0), z = s * s;
     double poly = ATANH_SERIES[0];
     for (int k = 1; k < 10; k++) poly = fma(poly, z, ATANH_SERIES[k]);

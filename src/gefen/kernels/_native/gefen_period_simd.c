@@ -7,16 +7,12 @@
 
 /* ------------------------------------------------------------------ per-element logs (G = 1), AVX2 */
 __attribute__((target("avx2,fma"))) static inline __m256d ln_positive4(__m256d x) {
-    const __m256i bits = _mm256_castpd_si256(x);
-    const __m256d two52 = _mm256_castsi256_pd(_mm256_set1_epi64x(0x4330000000000000LL));
-    const __m256i biased = _mm256_or_si256(_mm256_srli_epi64(bits, 52), _mm256_castpd_si256(two52));
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(biased), two52); /* the biased exponent as a double, exactly */
-    e = _mm256_sub_pd(e, _mm256_set1_pd(1023.0));
-    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
-                                                    _mm256_set1_epi64x(0x3ff0000000000000LL)));
-    const __m256d high = _mm256_cmp_pd(m, _mm256_set1_pd(SQRT2), _CMP_GT_OQ);
-    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), high);
-    e = _mm256_add_pd(e, _mm256_and_pd(high, _mm256_set1_pd(1.0)));
+    const __m256i bits = _mm256_add_epi64(_mm256_castpd_si256(x), _mm256_set1_epi64x((int64_t)LN_SHIFT));
+    const __m256i biased = _mm256_or_si256(_mm256_srli_epi64(bits, 52), _mm256_set1_epi64x(0x4330000000000000LL));
+    /* (2^52 + the biased exponent) - (2^52 + 1023), exactly */
+    const __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(biased), _mm256_set1_pd(4503599627371519.0));
+    const __m256d m = _mm256_castsi256_pd(_mm256_add_epi64(
+        _mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)), _mm256_set1_epi64x((int64_t)LN_MID)));
     const __m256d one = _mm256_set1_pd(1.0);
     const __m256d s = _mm256_div_pd(_mm256_sub_pd(m, one), _mm256_add_pd(m, one)), z = _mm256_mul_pd(s, s);
     __m256d poly = _mm256_set1_pd(ATANH_SERIES[0]);
@@ -294,16 +290,11 @@ __attribute__((target("avx2,fma"))) static int pair_avx2(const float *g, const p
 #define T512P __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
 
 T512P static inline __m512d ln_positive8(__m512d x) {
-    const __m512i bits = _mm512_castpd_si512(x);
-    const __m512d two52 = _mm512_castsi512_pd(_mm512_set1_epi64(0x4330000000000000LL));
-    const __m512i biased = _mm512_or_si512(_mm512_srli_epi64(bits, 52), _mm512_castpd_si512(two52));
-    __m512d e = _mm512_sub_pd(_mm512_castsi512_pd(biased), two52); /* the biased exponent as a double, exactly */
-    e = _mm512_sub_pd(e, _mm512_set1_pd(1023.0));
-    __m512d m = _mm512_castsi512_pd(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi64(0x000fffffffffffffLL)),
-                                                    _mm512_set1_epi64(0x3ff0000000000000LL)));
-    const __mmask8 high = _mm512_cmp_pd_mask(m, _mm512_set1_pd(SQRT2), _CMP_GT_OQ);
-    m = _mm512_mask_mul_pd(m, high, m, _mm512_set1_pd(0.5));
-    e = _mm512_mask_add_pd(e, high, e, _mm512_set1_pd(1.0));
+    const __m512i bits = _mm512_add_epi64(_mm512_castpd_si512(x), _mm512_set1_epi64((int64_t)LN_SHIFT));
+    const __m512i biased = _mm512_or_si512(_mm512_srli_epi64(bits, 52), _mm512_set1_epi64(0x4330000000000000LL));
+    const __m512d e = _mm512_sub_pd(_mm512_castsi512_pd(biased), _mm512_set1_pd(4503599627371519.0));
+    const __m512d m = _mm512_castsi512_pd(_mm512_add_epi64(
+        _mm512_and_si512(bits, _mm512_set1_epi64(0x000fffffffffffffLL)), _mm512_set1_epi64((int64_t)LN_MID)));
     const __m512d one = _mm512_set1_pd(1.0);
     const __m512d s = _mm512_div_pd(_mm512_sub_pd(m, one), _mm512_add_pd(m, one)), z = _mm512_mul_pd(s, s);
     __m512d poly = _mm512_set1_pd(ATANH_SERIES[0]);
