@@ -222,8 +222,8 @@ T256D static int dp_row_upto8(const dp_layer *ly, int64_t j, int64_t lo, int64_t
  * AVX2): the values into scratch (+inf past the window, to a multiple of 4), their minimum, the first candidate
  * equal to it (its own value, as dp_row keeps the first minimal one), the first and the last within the limit.
  * dp_row, whose scans are scalar, took 27 % of a k = 255 fit on Zen 1 (one thread; its vector values another
- * 19 %): the rows of the top depths have windows of 100s to 1000s of candidates. Returns 0 (nothing written) when the scalar rule must decide: a NaN, or no candidate within
- * the limit (a NaN limit). */
+ * 19 %): the rows of the top depths have windows of 100s to 1000s of candidates. Returns 0 (nothing written) when
+ * the scalar rule must decide: a NaN, or no candidate within the limit (a NaN limit). */
 T256D static int dp_row_wide(const dp_layer *ly, int64_t j, int64_t lo, int64_t n, double *scratch) {
     const int64_t e = ly->c + j, chunks = (n + 3) / 4, base = ly->c - 1 + lo;
     const __m256d we = _mm256_set1_pd(ly->W[e]), xe = _mm256_set1_pd(ly->X[e]), qe = _mm256_set1_pd(ly->Q[e]);
