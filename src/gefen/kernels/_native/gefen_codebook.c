@@ -31,23 +31,13 @@ typedef struct {
 } dp_layer;
 
 #if GEFEN_X86
-/* v[i] = F[i] + (q - x * x / w) for i in [lo, hi], four at a time (the same IEEE operations); returns the first i
- * left to do. */
-/* F[i] + (q - x * x / w) for four candidates: w = We - W[i] etc. (dp_row's operations). */
+/* F[i] + (q - x * x / w) for four candidates: w = We - W[i] etc. (dp_row's operations; the AVX2 rows, dp_row_short
+ * and dp_row_wide, take every window on such CPUs, so dp_row itself only decides a NaN or an empty window). */
 __attribute__((target("avx2"))) static inline __m256d dp_cost4(__m256d we, __m256d xe, __m256d qe, const double *W,
                                                                const double *X, const double *Q, const double *F) {
     const __m256d w = _mm256_sub_pd(we, _mm256_loadu_pd(W)), x = _mm256_sub_pd(xe, _mm256_loadu_pd(X));
     const __m256d q = _mm256_sub_pd(qe, _mm256_loadu_pd(Q));
     return _mm256_add_pd(_mm256_loadu_pd(F), _mm256_sub_pd(q, _mm256_div_pd(_mm256_mul_pd(x, x), w)));
-}
-
-__attribute__((target("avx2"))) static int64_t dp_values_avx2(double We, double Xe, double Qe, const double *W,
-                                                              const double *X, const double *Q, const double *F,
-                                                              double *v, int64_t lo, int64_t hi) {
-    const __m256d we = _mm256_set1_pd(We), xe = _mm256_set1_pd(Xe), qe = _mm256_set1_pd(Qe);
-    int64_t i = lo;
-    for (; i + 3 <= hi; i += 4) _mm256_storeu_pd(v + i, dp_cost4(we, xe, qe, W + i, X + i, Q + i, F + i));
-    return i;
 }
 #endif
 
@@ -58,11 +48,7 @@ static void dp_row(const dp_layer *ly, int64_t j, int64_t lo, int64_t hi, double
     const double We = ly->W[e], Xe = ly->X[e], Qe = ly->Q[e];
     const double *W = ly->W + ly->c - 1, *X = ly->X + ly->c - 1, *Q = ly->Q + ly->c - 1, *F = ly->F_prev;
     double *v = scratch + lo;
-    int64_t i = lo;
-#if GEFEN_X86
-    if (ly->avx2) i = dp_values_avx2(We, Xe, Qe, W, X, Q, F, v - lo, lo, hi);
-#endif
-    for (; i <= hi; i++) {
+    for (int64_t i = lo; i <= hi; i++) {
         const double w = We - W[i], x = Xe - X[i], q = Qe - Q[i];
         v[i - lo] = F[i] + (q - x * x / w);
     }
