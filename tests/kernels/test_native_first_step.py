@@ -144,19 +144,21 @@ def test_native_histogram_equals_the_torch_reference(shape, period) -> None:
     assert int(expected.sum()) == g.numel()
 
 
+@pytest.mark.parametrize("period", [64, 1])  # 1: the one-element blocks' own loop
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_native_histogram_refuses_non_finite_values_untouched(bad) -> None:
+def test_native_histogram_refuses_non_finite_values_untouched(bad, period) -> None:
     g = torch.randn(200_000)
     g[123_456] = bad
     counts = torch.arange(HISTOGRAM_BINS, dtype=torch.int64)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        codebook.accumulate_histogram_(counts, g, 64)
+        codebook.accumulate_histogram_(counts, g, period)
     assert torch.equal(counts, torch.arange(HISTOGRAM_BINS, dtype=torch.int64))
-    assert native.histogram_(counts, g, 64) is False
+    assert native.histogram_(counts, g, period) is False
 
 
+@pytest.mark.parametrize("period", [64, 1])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_native_histogram_bound_refuses_exactly_the_values_beyond_it(sign) -> None:
+def test_native_histogram_bound_refuses_exactly_the_values_beyond_it(sign, period) -> None:
     """``bound`` follows the preflight's rule (:func:`gefen.amp.unusable_names`): ``|g| <= bound`` in fp32 passes,
     the next fp32 above it is refused with the counts untouched, and a refused call adds nothing."""
     import gefen.amp
@@ -164,18 +166,22 @@ def test_native_histogram_bound_refuses_exactly_the_values_beyond_it(sign) -> No
     g = torch.randn(200_000)
     bound = native.as_float32(gefen.amp.usable_bound(g.numel()))
     g[77_777] = sign * bound
+    g[5] = 0.0
+    g[6] = -0.0
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    assert native.histogram_(counts, g, 64, gefen.amp.usable_bound(g.numel()))
+    assert native.histogram_(counts, g, period, gefen.amp.usable_bound(g.numel()))
     assert gefen.amp.unusable_names([("g", g)]) == []
-    assert torch.equal(counts, _torch_histogram(g, 64))
+    assert torch.equal(counts, _torch_histogram(g, period))
+    if period == 1:  # every value is its own block's maximum: the end bins, and the zeros in bin 2048
+        assert counts[0] == int((g < 0).sum()) and counts[4095] == int((g > 0).sum()) and counts[2048] == 2
     g[77_777] = sign * torch.nextafter(torch.tensor(bound), torch.tensor(float("inf"))).item()
     assert gefen.amp.unusable_names([("g", g)]) == ["g"]
     before = counts.clone()
-    assert native.histogram_(counts, g, 64, gefen.amp.usable_bound(g.numel())) is False
+    assert native.histogram_(counts, g, period, gefen.amp.usable_bound(g.numel())) is False
     assert torch.equal(counts, before)
-    assert native.histogram_(counts, g, 64)  # no bound: finite values are counted
+    assert native.histogram_(counts, g, period)  # no bound: finite values are counted
     with pytest.raises(RuntimeError, match="bound"):
-        native.histogram_(counts, g, 64, float("nan"))
+        native.histogram_(counts, g, period, float("nan"))
 
 
 def _plain_scores(x: torch.Tensor, candidates: list[int]) -> list[float]:

@@ -62,16 +62,25 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     """
     cpu = codebook.detach().to("cpu", torch.float32).contiguous()
     k = cpu.numel()
-    thresholds = torch.from_numpy(_thresholds(cpu.numpy()))
-    counts = torch.bincount(_bucket(thresholds).to(torch.int64), minlength=LOOKUP_BUCKETS)
-    lut = torch.zeros(LOOKUP_BUCKETS + 1, dtype=torch.int32)
-    lut[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    thresholds = _thresholds(cpu.numpy())
+    # numpy here: a dozen small torch ops cost ~0.5 ms, once per codebook but inside the first step
+    buckets = _bucket_np(thresholds)
+    lut = np.zeros(LOOKUP_BUCKETS + 1, dtype=np.int32)
+    lut[1:] = np.cumsum(np.bincount(buckets, minlength=LOOKUP_BUCKETS))
     # Thresholds at +1 (trailing copies of the +1 code) are never below an input u <= 1: no compare needed.
-    below_one = torch.bincount(_bucket(thresholds[thresholds < 1.0]).to(torch.int64), minlength=LOOKUP_BUCKETS)
+    below_one = np.bincount(buckets[thresholds < 1.0], minlength=LOOKUP_BUCKETS)
     steps = int(below_one.max()) if k > 1 else 0
-    padded = torch.cat([thresholds, torch.full((steps,), float("inf"))])
+    padded = np.concatenate([thresholds, np.full(steps, np.inf, dtype=np.float32)])
     dev = codebook.device
-    return NearestCodeTable(padded.to(dev), lut.to(dev), steps, codebook.detach().to(torch.float32))
+    return NearestCodeTable(
+        torch.from_numpy(padded).to(dev), torch.from_numpy(lut).to(dev), steps, codebook.detach().to(torch.float32)
+    )
+
+
+def _bucket_np(v: np.ndarray) -> np.ndarray:
+    """:func:`_bucket` of float32 values in numpy (the same float32 operations), as int64."""
+    b = ((v + np.float32(1.0)) * np.float32(LOOKUP_BUCKETS / 2)).astype(np.int32)
+    return np.clip(b, 0, LOOKUP_BUCKETS - 1).astype(np.int64)
 
 
 def _nearest_np(u: np.ndarray, codebook: np.ndarray) -> np.ndarray:

@@ -65,8 +65,8 @@ class FirstHistogram:
         if self._counts is None:
             self._counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=item.grad.device)
         if id(item.param) in self.unchecked:
-            grad = item.grad.detach()
-            if not native_histogram_(self._counts, grad.reshape(-1), period, usable_bound(grad.numel())):
+            grad = item.grad  # read in memory order by the library: no reshape (checkable_in_histogram)
+            if not native_histogram_(self._counts, grad, period, usable_bound(grad.numel())):
                 self.bad.append(item.name)
         else:
             accumulate_histogram_(self._counts, item.grad.to(self._counts.device), period)

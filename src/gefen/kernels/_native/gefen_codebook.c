@@ -583,6 +583,19 @@ static void hist_task(const void *ctx_, int64_t task, int64_t thread) {
     int32_t bins[1024];
     int64_t b0 = task * h->blocks_per_task, b1 = b0 + h->blocks_per_task;
     if (b1 > h->blocks) b1 = h->blocks;
+    if (h->period == 1) { /* one-element blocks (biases, norm weights): u = x / |x| = -1 or +1 exactly, 0 for x = 0 */
+        if (c->pending + (b1 - b0) > HIST_FLUSH_ELEMENTS) hist_flush(c);
+        c->pending += b1 - b0;
+        for (int64_t b = b0; b < b1; b++) {
+            const float x = h->g[b], a = fabsf(x);
+            if (!(a <= 3.4028234663852886e38f) || (h->bound > 0.0f && a > h->bound)) {
+                c->bad = 1;
+                return;
+            }
+            counts[x < 0.0f ? 0 : x > 0.0f ? 4095 : 2048]++;
+        }
+        return;
+    }
     for (int64_t b = b0; b < b1; b++) {
         const float *x = h->g + b * h->period;
         float a = 0.0f;
