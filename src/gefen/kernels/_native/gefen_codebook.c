@@ -451,10 +451,12 @@ int gefen_kmeans_centres(const double *W, const double *X, const double *Q, int6
 #endif
 
 typedef struct {
+    char before[64]; /* a cache line between one thread's counts and the next one's pending / bad (false sharing) */
     uint32_t small[4096];
     int64_t total[4096];
     int64_t pending; /* elements counted in small since its last move into total */
     int bad;         /* a non-finite value was seen */
+    char after[64];
 } hist_counts;
 
 typedef struct {
