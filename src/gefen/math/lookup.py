@@ -63,8 +63,8 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     cpu = codebook.detach().to("cpu", torch.float32).contiguous()
     k = cpu.numel()
     thresholds = _thresholds(cpu.numpy())
-    # numpy here: a dozen small torch ops cost ~0.5 ms, once per codebook but inside the first step
-    buckets = _bucket_np(thresholds)
+    # the counting in numpy: a dozen small torch ops cost ~0.5 ms, once per codebook but inside the first step
+    buckets = _bucket(torch.from_numpy(thresholds)).numpy().astype(np.int64)
     lut = np.zeros(LOOKUP_BUCKETS + 1, dtype=np.int32)
     lut[1:] = np.cumsum(np.bincount(buckets, minlength=LOOKUP_BUCKETS))
     # Thresholds at +1 (trailing copies of the +1 code) are never below an input u <= 1: no compare needed.
@@ -75,12 +75,6 @@ def build_nearest_table(codebook: Tensor) -> NearestCodeTable:
     return NearestCodeTable(
         torch.from_numpy(padded).to(dev), torch.from_numpy(lut).to(dev), steps, codebook.detach().to(torch.float32)
     )
-
-
-def _bucket_np(v: np.ndarray) -> np.ndarray:
-    """:func:`_bucket` of float32 values in numpy (the same float32 operations), as int64."""
-    b = ((v + np.float32(1.0)) * np.float32(LOOKUP_BUCKETS / 2)).astype(np.int32)
-    return np.clip(b, 0, LOOKUP_BUCKETS - 1).astype(np.int64)
 
 
 def _nearest_np(u: np.ndarray, codebook: np.ndarray) -> np.ndarray:

@@ -248,19 +248,19 @@ def _searched_period(
     anywhere (always ``True`` unless ``want_nonzero``)."""
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"period search backend={backend!r} is not 'auto', 'native' or 'torch'")
-    # the library reads the elements in memory order, whatever the shape: a contiguous fp32 gradient goes as it is
-    # (each detach / reshape / to costs ~5-10 us of dispatch, ~1 ms over a model's first step)
-    plain = grad.dtype == torch.float32 and grad.is_contiguous()
-    g32 = grad if plain else grad.detach().reshape(-1).to(torch.float32)
     native = backend == "native" or (
-        backend == "auto" and g32.device.type == "cpu" and _native_kernels().native_status().available
+        backend == "auto" and grad.device.type == "cpu" and _native_kernels().native_status().available
     )
     if native:
-        cands, needed, periods = _search_plan(g32.numel())
-        scores, nonzero = _native_kernels().period_scores(g32 if plain else g32.contiguous(), list(periods), workspace)
+        # the library reads the elements in memory order, whatever the shape: a contiguous fp32 gradient goes as it
+        # is (each detach / reshape / to costs ~5-10 us of dispatch, ~1 ms over a model's first step)
+        plain = grad.dtype == torch.float32 and grad.is_contiguous()
+        flat = grad if plain else grad.detach().reshape(-1).to(torch.float32).contiguous()
+        cands, needed, periods = _search_plan(flat.numel())
+        scores, nonzero = _native_kernels().period_scores(flat, list(periods), workspace)
         if scores is not None:  # None: some g * g overflows fp32, where the reference's rounding decides
             return (_select(cands, dict(zip(needed, scores))) if needed else 1), nonzero
-    g32 = g32.detach().reshape(-1)
+    g32 = grad.detach().reshape(-1).to(torch.float32)
     if not bool(torch.isfinite(g32).all()):
         raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
     nonzero = bool(g32.any()) if want_nonzero else True
