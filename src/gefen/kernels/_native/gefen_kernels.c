@@ -44,10 +44,13 @@
  * such loops rolled and the arrays they fill in memory). */
 #if defined(__clang__)
 #define UNROLL4 _Pragma("clang loop unroll(full)")
+#define UNROLL2 _Pragma("clang loop unroll_count(2)")
 #elif defined(__GNUC__)
 #define UNROLL4 _Pragma("GCC unroll 4")
+#define UNROLL2 _Pragma("GCC unroll 2")
 #else
 #define UNROLL4
+#define UNROLL2
 #endif
 /* CALL(kind, param dtype) with both as compile-time constants, for the specialised pass-2 bodies (the momentum
  * kind writes no parameter: fp32). */
