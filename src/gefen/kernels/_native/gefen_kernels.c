@@ -40,8 +40,8 @@
 #define GEFEN_ABI_VERSION 6
 
 #define INLINE __attribute__((always_inline)) inline
-/* Fully unrolls the four 16-lane steps of a 64-element group, so their vectors stay in registers (GCC at -O2 keeps
- * such loops rolled and the arrays they fill in memory). */
+/* UNROLL4 fully unrolls the four 16-lane steps of a 64-element group, so their vectors stay in registers (GCC at -O2
+ * keeps such loops rolled and the arrays they fill in memory); UNROLL2 takes two turns of a loop per iteration. */
 #if defined(__clang__)
 #define UNROLL4 _Pragma("clang loop unroll(full)")
 #define UNROLL2 _Pragma("clang loop unroll_count(2)")
