@@ -208,7 +208,7 @@ T2 static INLINE void pass2_avx2e_body(const gefen_step_args *a, const entry_tab
             _mm256_store_si256((__m256i *)(offs + i), _mm256_slli_epi32(b, 4));
             _mm256_store_ps(us + i, u);
         }
-        /* two turns per iteration: Zen 1, the whole step on one thread, 0.96-0.99 of the time in five A/B runs */
+        /* two turns per iteration: Zen 1, the whole step 0.96-0.99 of the time in five A/B runs (1 and 2 threads) */
         UNROLL2
         for (int64_t i = 0; i < n; i += 8) {
             __m256 th, lo, hi, k0;
