@@ -521,7 +521,7 @@ def run_records(
     buffer: Tensor | None = None,
     reduce: Callable[[Tensor], None] | None = None,
 ) -> list[int]:
-    """Run the native steps of several parameters in one library call (two parallel loops over all of them).
+    """Run the native steps of several parameters in one library call (two parallel regions over all of them).
 
     Args:
         records: from :func:`record`, for parameters that do not share any state tensor.

@@ -248,3 +248,39 @@ static int factored_usable(const gefen_step_args *a, const double *row_sq, int l
         if (!(row_sq[r] < limit) && !usable_range(a, r * a->cols, (r + 1) * a->cols, level)) return 0;
     return 1;
 }
+
+/* The factored second moment of one parameter, part 1: its column sums of g^2 (this rank's rows) into col_sq, the
+ * updated row moments into the row-root slots (published by factored_roots) and their fp64 total. */
+static double factored_sums(const gefen_step_args *a, double *sums, int64_t stat_tasks, float *roots) {
+    const int64_t R = a->rows, C = a->cols;
+    float *v_row_new = roots;
+    double *row_sq = sums, *col_sq = sums + R, *part = sums + R + C;
+    memset(col_sq, 0, (size_t)C * sizeof(double));
+    for (int64_t t = 0; t < stat_tasks; t++)
+        for (int64_t c = 0; c < C; c++) col_sq[c] += part[t * C + c];
+    double total = 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        float v = fmaf((float)(row_sq[r] / (double)C), a->one_minus_beta2, a->v_row[r] * a->beta2);
+        v_row_new[r] = v;
+        total += v;
+    }
+    return total;
+}
+
+/* Part 2: from the column sums and row-moment total over all R_all rows (this rank's, or all ranks' once reduced),
+ * update v_row and v_col and compute the roots of the step size. */
+static void factored_roots(const gefen_step_args *a, const double *sums, float *roots, double total, int64_t R_all) {
+    const int64_t R = a->rows, C = a->cols;
+    float *row_root = roots, *col_root = roots + R;
+    const double *col_sq = sums + R;
+    for (int64_t r = 0; r < R; r++) a->v_row[r] = row_root[r];
+    for (int64_t c = 0; c < C; c++) {
+        float v = fmaf((float)(col_sq[c] / (double)R_all), a->one_minus_beta2, a->v_col[c] * a->beta2);
+        a->v_col[c] = v;
+        col_root[c] = sqrtf(v);
+    }
+    float mean = (float)(total / (double)R_all);
+    /* torch's clamp_min: a NaN mean (a NaN gradient under nonfinite="propagate") stays NaN */
+    float normaliser = (!(mean < 1.1754943508222875e-38f) ? mean : 1.1754943508222875e-38f) * a->bc2;
+    for (int64_t r = 0; r < R; r++) row_root[r] = sqrtf(a->v_row[r] / normaliser);
+}
