@@ -89,6 +89,20 @@ candidates = [p for p in divisors(g.numel()) if g.numel() // p >= 2]
 two = native.period_scores(g, candidates)[0]
 torch.set_num_threads(1)
 assert native.period_scores(g, candidates)[0] == two
+import gefen
+def stepped(threads):  # factored weights (two regions of two loops each; one thread each) and a norm weight
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((384, 256), (256, 256), (256,))]
+    opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=gen)
+        opt.step()
+    state = [t.clone() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    return [p.detach().clone() for p in params] + state
+two, one = stepped(2), stepped(1)
+assert all(torch.equal(a, b) for a, b in zip(two, one)), "native step differs between two threads and one"
 print("SAME")
 """
 
@@ -96,10 +110,11 @@ print("SAME")
 @pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_WAIT_POLICY": "passive"}], ids=str)
 def test_native_loops_in_one_parallel_region_whatever_the_team(env) -> None:
     """The fit's layers share one parallel region of two threads (both solve each layer's middle row, then one
-    half each, then a barrier), and so do the period scores' three loops: a runtime that gives a team of one thread
-    (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on that thread instead of waiting at a barrier
-    forever, and one whose idle workers sleep gives the same centres (4096 active bins: the two-thread layers) and
-    the same scores as one thread."""
+    half each, then a barrier), and so do the period scores' three loops and each of the native step's two pairs of
+    loops: a runtime that gives a team of one thread (OMP_THREAD_LIMIT=1, while torch asks for two) runs them on that
+    thread instead of waiting at a barrier forever, and one whose idle workers sleep gives the same centres (4096
+    active bins: the two-thread layers), the same scores and the same parameters and state after three steps as one
+    thread."""
     result = subprocess.run(
         [sys.executable, "-c", LOOPS_IN_A_CHILD], env={**os.environ, **env}, capture_output=True, text=True,
         timeout=300,
