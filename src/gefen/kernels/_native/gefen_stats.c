@@ -1,7 +1,8 @@
 /*
- * The step's statistics pass of factored second moments (row and column sums of g^2) and the usability check of
- * the gradients (nonfinite="skip"/"raise"). Included by gefen_kernels.c (one shared library, one translation
- * unit) after the x86 passes, whose load helpers it uses.
+ * The step's statistics pass of factored second moments (row and column sums of g^2), the usability check of
+ * the gradients (nonfinite="skip"/"raise"), and the factored moments and step-size roots from those sums
+ * (factored_sums before the FSDP2 reduce, factored_roots after it). Included by gefen_kernels.c (one shared
+ * library, one translation unit) after the x86 passes, whose load helpers it uses.
  */
 /* ------------------------------------------------------------------ entry point */
 /* Elements per task of the block loop; a fixed number, so the split never depends on the thread count. */
