@@ -102,6 +102,7 @@ def stepped(threads):  # factored weights (two regions of two loops each; one th
     state = [t.clone() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
     return [p.detach().clone() for p in params] + state
 two, one = stepped(2), stepped(1)
+assert len(two) == len(one) > 3
 assert all(torch.equal(a, b) for a, b in zip(two, one)), "native step differs between two threads and one"
 print("SAME")
 """
