@@ -448,7 +448,7 @@ typedef struct {
     float *roots;  /* (R + C,) factored: row roots then column roots (first the updated row moments) */
     double *sums;  /* (R + C + stat_tasks * C,) factored: row sums, column sums, per-task column partials */
     double total;  /* factored: fp64 sum of the updated row moments (this rank's, then all ranks') */
-    int64_t rows_all; /* factored: rows over all ranks (R unless row-sharded) */
+    int64_t rows_all; /* factored: rows over all ranks (global_rows when row-sharded, else R) */
     uint8_t unusable; /* grad_bound > 0: the usability check failed */
 } param_plan;
 
@@ -656,6 +656,7 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
             plan->sums = (double *)malloc((size_t)(R + C + plan->stat_tasks * C) * sizeof(double));
             if (!plan->roots || !plan->sums) rc = ERR_NOMEM;
             plan->sctx = (stats_ctx){a, plan->sums, plan->sums + R + C, rows_per_task, level};
+            plan->rows_all = a->global_rows > 0 ? a->global_rows : R;
             plan->ctx.row_root = plan->roots;
             plan->ctx.col_root = plan->roots + R;
         } else if (a->grad_bound > 0.0f && rc == OK) {
@@ -703,12 +704,10 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
     if (rc == OK)
         for (int64_t i = 0; i < n; i++) {
             const gefen_step_args *a = &args[i];
-            plans[i].rows_all = a->rows;
-            if (a->kind == KIND_FACTORED && a->global_rows > 0) {
-                double *piece = buffer + a->reduce_offset;
-                memcpy(piece, plans[i].sums + a->rows, (size_t)a->cols * sizeof(double));
-                piece[a->cols] = plans[i].total;
-            }
+            if (a->kind != KIND_FACTORED || a->global_rows <= 0) continue;
+            double *piece = buffer + a->reduce_offset;
+            memcpy(piece, plans[i].sums + a->rows, (size_t)a->cols * sizeof(double));
+            piece[a->cols] = plans[i].total;
         }
     if (length > 0) { /* every rank, also one that failed above */
         buffer[length - 1] = rc == OK ? 0.0 : 1.0;
@@ -721,7 +720,6 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
             const double *piece = buffer + a->reduce_offset; /* the sums over every rank's rows */
             memcpy(plans[i].sums + a->rows, piece, (size_t)a->cols * sizeof(double));
             plans[i].total = piece[a->cols];
-            plans[i].rows_all = a->global_rows;
         }
         loop_phase phases[2] = {{roots_task, plans, n, plan_costs(plans, n, 1, pc), 0, 0},
                                 flat_phase(plans, n, 0, &flat, tp, tl, tc)};
