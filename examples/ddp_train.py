@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,5 +73,19 @@ def main() -> None:
         raise SystemExit(1)
 
 
+def leave() -> None:
+    """End a run that finished, without the interpreter's own shutdown.
+
+    A gloo worker thread can still be releasing the tensors of the last collectives when Python shuts down; when
+    it then asks for the GIL, the whole process aborts ("terminate called without an active exception",
+    pytorch/pytorch#190489) after it trained and saved correctly. Everything is written and the process group is
+    destroyed by now, so the process ends here with exit status 0.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    leave()

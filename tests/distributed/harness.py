@@ -12,6 +12,7 @@ import gc
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -48,7 +49,6 @@ def run_torchrun(script: Path, ranks: int, *args: str, timeout: float = 240.0, a
     lost its rendezvous port is retried up to ``attempts`` times in all.
     """
     import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
@@ -95,15 +95,19 @@ def _worker(rank: int, world_size: int, port: int, out: str, fn: Callable[..., A
         if dist.is_initialized():
             _teardown(ok="ok" in result)  # result is always bound here: the except clause catches everything
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    # The interpreter's shutdown is skipped: a gloo worker thread can still be releasing the last collective's
+    # tensors then, and its request for the GIL during shutdown aborts the process (pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _teardown(ok: bool) -> None:
     """Destroy the process group in step with the other ranks.
 
     After a successful ``fn``: free what it left in reference cycles (FSDP2 modules and their hooks hold
-    communication state), then wait for every rank before destroying the group. A rank that destroyed its group
-    (and, on rank 0, the TCP store) while another still used it aborted that other rank with "terminate called
-    without an active exception" about once in three full suite runs. The barrier fails fast (connection closed)
+    communication state), then wait for every rank before destroying the group, so that no rank (rank 0 hosts
+    the TCP store) destroys its group while another still uses it. The barrier fails fast (connection closed)
     when another rank failed and already destroyed its group; that rank's error is the one reported.
     """
     if ok:
