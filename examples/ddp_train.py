@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from _exit import leave  # examples/_exit.py, beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 import gefen
@@ -71,19 +70,6 @@ def main() -> None:
     dist.destroy_process_group()
     if rank == 0 and not same:
         raise SystemExit(1)
-
-
-def leave() -> None:
-    """End a run that finished, without the interpreter's own shutdown.
-
-    A gloo worker thread can still be releasing the tensors of the last collectives when Python shuts down; when
-    it then asks for the GIL, the whole process aborts ("terminate called without an active exception",
-    pytorch/pytorch#190489) after it trained and saved correctly. Everything is written and the process group is
-    destroyed by now, so the process ends here with exit status 0.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

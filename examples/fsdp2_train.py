@@ -13,11 +13,10 @@ independent of the world size, so a checkpoint saved on N ranks resumes on M.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from _exit import leave  # examples/_exit.py, beside this script
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -92,19 +91,6 @@ def main() -> None:
     dist.barrier()  # free everything that talks to the process group before destroying it
     del optimizer, model
     dist.destroy_process_group()
-
-
-def leave() -> None:
-    """End a run that finished, without the interpreter's own shutdown.
-
-    A gloo worker thread can still be releasing the tensors of the last collectives when Python shuts down; when
-    it then asks for the GIL, the whole process aborts ("terminate called without an active exception",
-    pytorch/pytorch#190489) after it trained and saved correctly. Everything is written and the process group is
-    destroyed by now, so the process ends here with exit status 0.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
