@@ -159,7 +159,7 @@ def usable_flags(grads: Sequence[Tensor]) -> Tensor:
         grads: gradients on one device (any dtypes and shapes; at least one).
 
     Returns:
-        (len(grads),) bool on that device (a step can act on it on the device, see :data:`gefen.math.fused.APPLY`).
+        (len(grads),) bool on that device (a step can act on it on the device, see :data:`gefen.kernels.fused.APPLY`).
     """
     return torch.stack([_usable(g) for g in grads])
 

@@ -14,7 +14,7 @@ Policies (the ``nonfinite=`` option of every Gefen optimizer):
 Where the check runs (``Gefen``; the hybrid and GefenMuon check before the step): on a steady step (every
 parameter has state, none sharded) the step applies the policy itself, before its first write — the CPU's native
 library inside its own passes; the compiled kernels (CUDA's default) under ``"skip"`` on the device, with no host
-read: the per-parameter flags set the kernels' apply entry (:data:`gefen.math.fused.APPLY`), so a skipped step
+read: the per-parameter flags set the kernels' apply entry (:data:`gefen.kernels.fused.APPLY`), so a skipped step
 writes nothing, and the host learns the outcome when it next looks (:class:`PendingCheck`: at the next
 ``step()``, or when ``skipped_steps``, ``global_step``, ``state_dict()`` or ``load_state_dict()`` is called), where
 the step counters advance or the skip is counted and warned about. Otherwise (first steps, the eager backend,

@@ -22,6 +22,7 @@ import torch
 
 import gefen
 from gefen.kernels import native
+from gefen.kernels.scalars import StepScalars
 from gefen.state import ParamState
 
 pytestmark = pytest.mark.skipif(
@@ -354,11 +355,7 @@ def test_native_factored_rows_with_the_reduce_equal_the_whole(level: str) -> Non
         return native.record(
             "factored",
             **call,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            lr=1e-2,
-            weight_decay=0.1,
+            scalars=StepScalars(beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.1),
             step=2,
             global_rows=global_rows,
             reduce_offset=offset,
@@ -411,13 +408,10 @@ def test_native_reduce_failure_changes_nothing() -> None:
         tables=(table.codebook, table.lut, table.thresholds),
         steps=table.steps,
         period=view.period,
-        beta1=0.9,
         param=p.detach().view(-1),
         second=(view.second_moment_row, view.second_moment_col),
         shape=(30, 40),
-        beta2=0.999,
-        eps=1e-8,
-        lr=1e-2,
+        scalars=StepScalars(beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2),
         step=2,
         global_rows=60,
         reduce_offset=0,

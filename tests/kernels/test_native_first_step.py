@@ -15,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gefen.kernels import native
+from gefen.kernels import first_step, native
+from gefen.kernels.first_step import find_period, optimal_partition_centers
 from gefen.math import codebook
-from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
-from gefen.math.period import divisors, find_period, period_scores
+from gefen.math.codebook import HISTOGRAM_BINS, bin_centers
+from gefen.math.period import divisors, period_scores
 
 AVAILABLE = native.native_status().available
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"native library: {native.native_status().reason}")
@@ -74,7 +75,8 @@ def test_native_kmeans_full_histogram_and_bad_backend() -> None:
 
 LOOPS_IN_A_CHILD = """
 import numpy as np, torch
-from gefen.math.codebook import HISTOGRAM_BINS, bin_centers, optimal_partition_centers
+from gefen.kernels.first_step import optimal_partition_centers
+from gefen.math.codebook import HISTOGRAM_BINS, bin_centers
 torch.set_num_threads(2)
 rng = np.random.default_rng(7)
 counts = np.round(1e5 * np.exp(-0.5 * (bin_centers().numpy() / 0.2) ** 2)) + rng.integers(1, 4, HISTOGRAM_BINS)
@@ -82,7 +84,7 @@ z, n = bin_centers().numpy().astype(np.float64), counts.astype(np.float64)
 for k in (255, 40):
     expected = optimal_partition_centers(z, n, k, True, backend="numpy")
     assert np.array_equal(optimal_partition_centers(z, n, k, True, backend="native"), expected), k
-from gefen.kernels import native
+from gefen.kernels import first_step, native
 from gefen.math.period import divisors
 g = torch.randn(198_048, generator=torch.Generator().manual_seed(3)) * torch.arange(1, 4).repeat_interleave(66_016)
 candidates = [p for p in divisors(g.numel()) if g.numel() // p >= 2]
@@ -125,12 +127,7 @@ def test_native_loops_in_one_parallel_region_whatever_the_team(env) -> None:
 
 def _torch_histogram(g: torch.Tensor, period: int) -> torch.Tensor:
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    original = codebook._native_histogram_
-    codebook._native_histogram_ = lambda *args: False  # the torch code path, the reference
-    try:
-        codebook.accumulate_histogram_(counts, g, period)
-    finally:
-        codebook._native_histogram_ = original
+    codebook.accumulate_histogram_(counts, g, period)  # the math module's: the torch reference
     return counts
 
 
@@ -153,7 +150,7 @@ def test_native_histogram_equals_the_torch_reference(shape, period) -> None:
         native.force_level(level)
         try:
             counts = torch.full((HISTOGRAM_BINS,), 3, dtype=torch.int64)
-            codebook.accumulate_histogram_(counts, g, period)
+            first_step.accumulate_histogram_(counts, g, period, backend="native")
         finally:
             native.force_level(None)
         torch.testing.assert_close(counts - 3, expected, rtol=0, atol=0, msg=level)
@@ -167,7 +164,7 @@ def test_native_histogram_refuses_non_finite_values_untouched(bad, period) -> No
     g[123_456] = bad
     counts = torch.arange(HISTOGRAM_BINS, dtype=torch.int64)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        codebook.accumulate_histogram_(counts, g, period)
+        first_step.accumulate_histogram_(counts, g, period, backend="native")
     assert torch.equal(counts, torch.arange(HISTOGRAM_BINS, dtype=torch.int64))
     assert native.histogram_(counts, g, period) is False
 

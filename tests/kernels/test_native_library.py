@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 import gefen
 from gefen.kernels import native
+from gefen.kernels.first_step import accumulate_histogram_, fit_codebook
 from gefen.kernels.reference import reference_step
-from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
+from gefen.kernels.scalars import StepScalars
+from gefen.math.codebook import HISTOGRAM_BINS
 from gefen.math.lookup import build_nearest_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,12 +320,8 @@ def test_native_usability_check_flags_exactly_what_the_preflight_flags_and_chang
                 tables=_tables(table),
                 steps=table.steps,
                 period=cols,
-                beta1=0.9,
                 shape=(rows, cols),
-                beta2=0.999,
-                eps=1e-8,
-                lr=1e-2,
-                weight_decay=0.1,
+                scalars=StepScalars(beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.1),
                 step=3,
                 param=None if kind == "momentum" else st_["param"],
                 second=second,
@@ -365,7 +363,9 @@ ASAN_SCRIPT = textwrap.dedent(
     """
     import torch
     from gefen.kernels import native
-    from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
+    from gefen.kernels.scalars import StepScalars
+    from gefen.kernels.first_step import accumulate_histogram_, fit_codebook
+    from gefen.math.codebook import HISTOGRAM_BINS
     from gefen.math.lookup import build_nearest_table
 
     status = native.native_status()
@@ -414,9 +414,9 @@ ASAN_SCRIPT = textwrap.dedent(
                     out = torch.empty(n) if kind == "momentum" else None
                     codes, scale, param = torch.zeros((rows, cols), dtype=torch.uint8), torch.rand(rows), torch.randn(n)
                     rec = native.record(kind, grad=grad, codes=codes, scale=scale, tables=tables, steps=table.steps,
-                                        period=cols, beta1=0.9, shape=(rows, cols),
+                                        period=cols, shape=(rows, cols),
                                         param=None if kind == "momentum" else param, second=second, out=out,
-                                        beta2=0.999, eps=1e-8, lr=1e-3, step=3, grad_bound=1e6)
+                                        scalars=StepScalars(0.9, 0.999, 1e-8, 1e-3), step=3, grad_bound=1e6)
                     assert native.run_records([rec]) == ([] if bad is None else [0])
                     cases += 1
     # the row-sharded factored form: pieces at the end of an exactly sized reduce buffer, a rank without records,
@@ -432,7 +432,7 @@ ASAN_SCRIPT = textwrap.dedent(
                           scale=torch.rand(n // period, generator=gen), param=torch.randn(n, generator=gen),
                           second=(torch.rand(rows, generator=gen), torch.rand(cols, generator=gen)))
                 parts.append(native.record("factored", **st, tables=tables, steps=table.steps, period=period,
-                                           beta1=0.9, shape=(rows, cols), beta2=0.999, eps=1e-8, lr=1e-3, step=3,
+                                           shape=(rows, cols), scalars=StepScalars(0.9, 0.999, 1e-8, 1e-3), step=3,
                                            global_rows=2 * rows, reduce_offset=k * (cols + 1)))
                 parts.append(st)
             buffer = torch.zeros(2 * (cols + 1) + 1, dtype=torch.float64)
@@ -446,7 +446,7 @@ ASAN_SCRIPT = textwrap.dedent(
     # the first step's routines: the k-means layers and the histogram, on exactly sized arrays
     import numpy as np
     rng = np.random.default_rng(0)
-    from gefen.math.codebook import optimal_partition_centers
+    from gefen.kernels.first_step import optimal_partition_centers
     for level in levels:  # AVX-512 rows of 1..8 candidates in one register, wider ones 8 at a time with a tail
         native.force_level(level)
         for size, k in ((2, 2), (3, 2), (9, 2), (17, 8), (300, 255), (4096, 255), (600, 17), (1000, 3)):
@@ -463,7 +463,6 @@ ASAN_SCRIPT = textwrap.dedent(
             cases += 1
     native.force_level(None)
     from gefen.math import codebook as cbm
-    native_histogram = cbm._native_histogram_
     sizes = ((1, 1), (7, 7), (70_000, 7), (65_536, 4096), (131_071, 131_071))
     for level, (n, period) in [(level, size) for level in levels for size in sizes]:
         native.force_level(level)
@@ -471,9 +470,7 @@ ASAN_SCRIPT = textwrap.dedent(
             4096, dtype=torch.int64)
         g[: n // 2] *= 2.0**-100  # blocks beyond Markstein's range too
         assert native.histogram_(counts, g, period)
-        cbm._native_histogram_ = lambda *args: False  # the torch reference (counts moved out of uint32 every 1500)
-        cbm.accumulate_histogram_(expected, g, period)
-        cbm._native_histogram_ = native_histogram
+        cbm.accumulate_histogram_(expected, g, period)  # the torch reference
         assert torch.equal(counts, expected)
         cases += 1
     native.force_level(None)

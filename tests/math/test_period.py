@@ -9,11 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gefen.kernels import native
+from gefen.kernels.first_step import find_period, first_period
 from gefen.math.period import (
     divisors,
     fallback_period,
-    find_period,
-    first_period,
     largest_divisor_at_most,
     search_period,
 )

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import gefen
-import gefen.compiled
-from gefen.compiled import FUSED_ENV, KernelSignature
+import gefen.kernels.compiled
 from gefen.errors import ConfigError, StepError
+from gefen.kernels.compiled import FUSED_ENV, KernelSignature
+from gefen.kernels.fused import lookup_table_as_float, nearest_code_lut
 from gefen.math.codebook import nearest_code
-from gefen.math.fused import lookup_table_as_float, nearest_code_lut
 from gefen.math.lookup import build_nearest_table
 from tests.optim.test_capturable import _cap_grads, _cap_model
 
@@ -169,7 +169,7 @@ def _failing_compile(*args: object, **kwargs: object):  # type: ignore[no-untype
 
 
 def test_fused_true_compile_failure_refuses_the_step_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gefen.compiled.torch, "compile", _failing_compile)
+    monkeypatch.setattr(gefen.kernels.compiled.torch, "compile", _failing_compile)
     p = torch.nn.Parameter(torch.randn(4, 16))
     before = p.detach().clone()
     opt = gefen.Gefen([p], lr=1e-2, fused=True)
@@ -186,7 +186,7 @@ def test_fused_true_compile_failure_refuses_the_step_and_changes_nothing(monkeyp
 def test_fused_none_compile_failure_warns_once_and_runs_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """``backend="auto"`` chooses the compiled step on CUDA; a compile failure there warns once and runs eagerly.
     (On the CPU auto chooses the native backend, so the CUDA choice is simulated here.)"""
-    monkeypatch.setattr(gefen.compiled.torch, "compile", _failing_compile)
+    monkeypatch.setattr(gefen.kernels.compiled.torch, "compile", _failing_compile)
     monkeypatch.setattr(gefen.optim.gefen, "auto_backend", lambda param, grad_dtype, default: ("compiled", ""))
     monkeypatch.setenv(FUSED_ENV, "1")
     p = torch.nn.Parameter(torch.randn(48, 64))
@@ -457,14 +457,8 @@ def test_kernels_with_apply_zero_write_nothing_even_for_a_nan_gradient(kind: str
     """Entry ``APPLY`` of the scalars (the device-side ``nonfinite="skip"`` decision): 0 keeps the parameter and
     every state tensor bit for bit, whatever the gradient holds; 1 writes the step as before (the same values as
     without the entry's masking, i.e. the eager reference within the existing tolerance, checked above)."""
-    from gefen.math.fused import (
-        APPLY,
-        SCALARS,
-        factored_roots_,
-        fused_block_step_,
-        fused_factored_update_,
-        step_scalars,
-    )
+    from gefen.kernels.fused import factored_roots_, fused_block_step_, fused_factored_update_
+    from gefen.kernels.scalars import APPLY, COMPILED_LAYOUT, StepScalars
 
     gen = torch.Generator().manual_seed(3)
     table = build_nearest_table(torch.linspace(-1, 1, 256))
@@ -477,8 +471,8 @@ def test_kernels_with_apply_zero_write_nothing_even_for_a_nan_gradient(kind: str
     scale = torch.rand(param.shape[0], generator=gen)
     second = [torch.rand(param.shape[0], generator=gen)] if kind == "block" else [torch.rand(rows), torch.rand(cols)]
     for apply in (0.0, 1.0):
-        scalars = torch.tensor(step_scalars(0.9, 0.999, 1e-8, 1e-2, 0.1, 3, kind == "factored"))
-        assert scalars.numel() == SCALARS and scalars[APPLY] == 1.0
+        scalars = torch.tensor(StepScalars(0.9, 0.999, 1e-8, 1e-2, 0.1).compiled_row(3, kind == "factored"))
+        assert scalars.numel() == len(COMPILED_LAYOUT) and scalars[APPLY] == 1.0
         scalars[APPLY] = apply
         state = [t.clone() for t in (param, codes, scale, *second)]
         p, c, s, *v = state

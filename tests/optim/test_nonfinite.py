@@ -361,7 +361,7 @@ class _NotYet:
 @pytest.mark.parametrize("lagged", [False, True])
 def test_the_compiled_step_decides_a_skip_on_the_device_with_no_host_read(monkeypatch, lagged):
     """``backend="compiled"`` (CUDA's default) under ``"skip"``: no gradient is read on the host; the usability
-    flags mask every kernel write (:data:`gefen.math.fused.APPLY`). On the CPU the step settles at once; on CUDA
+    flags mask every kernel write (:data:`gefen.kernels.fused.APPLY`). On the CPU the step settles at once; on CUDA
     (``lagged``, forced here with a stand-in event) the host settles it when it next looks: before that the step
     counters, ``global_step`` and ``skipped_steps`` have not moved, after it they say what happened, and either way
     the state and the next step are those of an optimizer that never saw the bad gradient."""

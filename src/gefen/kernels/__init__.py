@@ -9,7 +9,7 @@ counter), same in-place outputs, and the rounding rules of the eager reference:
   is fp32; the EMA is torch's lerp (``fma(w, g − m, m)`` for ``w < 0.5``, else ``fma(w − 1, g − m, g)``);
   ``u = m / a`` is a true division; the nearest code is the exact §4.8 rule; the parameter is written once,
   ``fma(d, −η·k, p·(1 − ηλ))``, rounded to nearest even in its own dtype.
-* ``"compiled"``: ``torch.compile``\\ d graphs of the same chain (``gefen.math.fused``; inductor C++ on CPU, Triton
+* ``"compiled"``: ``torch.compile``\\ d graphs of the same chain (``gefen.kernels.fused``; inductor C++ on CPU, Triton
   on CUDA). Compile time is paid once per parameter signature.
 * ``"native"``: the C library of :mod:`gefen.kernels.native` (CPU, SIMD with run-time dispatch, torch's OpenMP
   threads), no compile time.

@@ -5,7 +5,11 @@ factored second moment, algorithm.md §6.2 / §6.4) and GefenMuon's quantized mo
 and fp16 parameters and gradients, with run-time dispatch on the CPU's features: AVX-512 with VBMI (table look-ups
 by byte shuffles), AVX-512 (F/BW/VL, gathers), AVX2 + FMA + F16C, or portable scalar C. It uses no Python C-API
 and no torch C++ ABI, so one binary serves every supported Python and torch version; it is given data pointers and
-one :class:`StepArgs` record.
+one record per parameter. The record (``gefen_step_args``) and the return codes are declared once, in C: the
+library exports the record's field names, offsets, sizes and types and its return codes by name, the records are
+built in that layout (:func:`record_dtype`), and a library whose fields differ from the ones :func:`record` fills
+is refused at load (:func:`layout_mismatch`). The per-step constants come from
+:class:`gefen.kernels.scalars.StepScalars`.
 
 Threads: the library runs its parallel loops on the process's own OpenMP runtime (the one torch loaded; found in
 the process's memory map and opened with ``RTLD_NOLOAD``, so a second runtime is never loaded), with
@@ -23,9 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
-import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,15 +38,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gefen.kernels.scalars import NATIVE_SCALAR_FIELDS, StepScalars
+from gefen.kernels.scalars import as_float32 as as_float32
+
 __all__ = [
     "ABI_VERSION",
     "LIBRARY_ENV",
     "DISABLE_ENV",
     "NATIVE_DTYPES",
+    "RECORD_FIELDS",
     "NativeStatus",
-    "StepArgs",
     "library_filename",
     "native_status",
+    "layout_mismatch",
+    "record_dtype",
+    "error_codes",
     "kmeans_centres",
     "histogram_",
     "period_scores",
@@ -58,7 +66,7 @@ __all__ = [
 ]
 
 #: ABI version the Python side expects from ``gefen_abi_version()``.
-ABI_VERSION = 6
+ABI_VERSION = 7
 #: Environment variable naming another build of the library.
 LIBRARY_ENV = "GEFEN_NATIVE_LIB"
 #: Environment variable that disables the native backend when set to ``"0"``.
@@ -66,50 +74,19 @@ DISABLE_ENV = "GEFEN_NATIVE"
 #: Parameter and gradient dtypes the library handles (codes in its ``DT_*`` enum).
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = {"block": 0, "factored": 1, "momentum": 2}
-#: ``gefen_step_many_reduce``'s return code for a record whose gradient failed its ``grad_bound`` check.
-_ERR_UNUSABLE = -5
 _LEVELS = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512vbmi"}
-
-
-class StepArgs(ctypes.Structure):
-    """The C ``gefen_step_args`` record, field by field (see the C source for each field's meaning)."""
-
-    _fields_ = [
-        ("param", ctypes.c_void_p),
-        ("grad", ctypes.c_void_p),
-        ("codes", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("v_row", ctypes.c_void_p),
-        ("v_col", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("codebook", ctypes.c_void_p),
-        ("lut", ctypes.c_void_p),
-        ("thresholds", ctypes.c_void_p),
-        ("numel", ctypes.c_int64),
-        ("period", ctypes.c_int64),
-        ("rows", ctypes.c_int64),
-        ("cols", ctypes.c_int64),
-        ("param_dtype", ctypes.c_int64),
-        ("grad_dtype", ctypes.c_int64),
-        ("steps", ctypes.c_int64),
-        ("lerp_high", ctypes.c_int64),
-        ("kind", ctypes.c_int64),
-        ("threads", ctypes.c_int64),
-        ("w", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("one_minus_beta2", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("decay", ctypes.c_float),
-        ("step", ctypes.c_float),
-        ("root_bc2", ctypes.c_float),
-        ("inv_bc1", ctypes.c_float),
-        ("bc2", ctypes.c_float),
-        ("grad_bound", ctypes.c_float),
-        ("global_rows", ctypes.c_int64),
-        ("reduce_offset", ctypes.c_int64),
-        ("counter", ctypes.c_void_p),
-    ]
+#: The fields :func:`record` fills, in the order it fills them; the library's exported layout must list exactly
+#: these, in this order (offsets, sizes and types are the library's: see :func:`record_dtype`).
+RECORD_FIELDS = (
+    ("param", "grad", "codes", "scale", "v", "v_row", "v_col", "out", "codebook", "lut", "thresholds")
+    + ("numel", "period", "rows", "cols", "param_dtype", "grad_dtype", "steps", "lerp_high", "kind", "threads")
+    + NATIVE_SCALAR_FIELDS[1:]
+    + ("grad_bound", "global_rows", "reduce_offset", "counter")
+)
+#: numpy formats of the exported field types (pointer, int64, fp32).
+_FORMATS = {"p": "u8", "q": "i8", "f": "f4"}
+#: The return codes :func:`run_records` and the first-step wrappers tell apart, by their C names.
+_CODES = ("OK", "ERR_ARGS", "ERR_NOMEM", "ERR_REDUCE", "ERR_NONFINITE", "ERR_OVERFLOW", "ERR_UNUSABLE")
 
 
 #: The C ``gefen_reduce_fn``: sums a float64 buffer over the ranks in place, returns 0 on success.
@@ -191,8 +168,13 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     if version != ABI_VERSION:
         reason = f"{path} has ABI version {version}, this gefen expects {ABI_VERSION}: reinstall gefen"
         return None, NativeStatus(False, reason, path=str(path))
-    lib.gefen_step_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.gefen_step_many.restype = ctypes.c_int
+    reason = layout_mismatch(_exported_fields(lib))
+    if reason:
+        return None, NativeStatus(False, f"{path}: {reason}; reinstall gefen", path=str(path))
+    _ERRORS.update(_exported_codes(lib))
+    missing = [name for name in _CODES if name not in _ERRORS]
+    if missing:
+        return None, NativeStatus(False, f"{path} does not export the return codes {missing}; reinstall gefen")
     lib.gefen_step_many_reduce.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int64,
@@ -223,6 +205,102 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
         )
     level = _LEVELS.get(lib.gefen_cpu_level(), "scalar")
     return lib, NativeStatus(True, "", level, omp is not None, str(path))
+
+
+def _exported_fields(lib: ctypes.CDLL) -> list[tuple[str, int, int, str]]:
+    """The record's fields as the library declares them: ``(name, offset, size, type)`` in declaration order."""
+    lib.gefen_step_field.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4
+    lib.gefen_step_field.restype = ctypes.c_int64
+    lib.gefen_step_record_size.restype = ctypes.c_int64
+    name, offset, size, kind = ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64(), ctypes.c_char()
+    refs = [ctypes.byref(x) for x in (name, offset, size, kind)]
+    fields = []
+    for i in range(lib.gefen_step_field(-1, None, None, None, None)):
+        if lib.gefen_step_field(i, *refs) != 0 or name.value is None:
+            break
+        fields.append((name.value.decode(), offset.value, size.value, kind.value.decode()))
+    fields.append(("", lib.gefen_step_record_size(), 0, ""))  # the record's size, as an end marker
+    return fields
+
+
+def _exported_codes(lib: ctypes.CDLL) -> dict[str, int]:
+    lib.gefen_error_code.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gefen_error_code.restype = ctypes.c_int
+    name, value, codes = ctypes.c_char_p(), ctypes.c_int(), {}
+    i = 0
+    while lib.gefen_error_code(i, ctypes.byref(name), ctypes.byref(value)) == 0 and name.value is not None:
+        codes[name.value.decode()] = value.value
+        i += 1
+    return codes
+
+
+def layout_mismatch(fields: list[tuple[str, int, int, str]]) -> str:
+    """Why an exported record layout cannot be filled by :func:`record` (empty string: it can).
+
+    Args:
+        fields: ``(name, offset, size, type)`` per field in declaration order, then ``("", record size, 0, "")``.
+
+    Returns:
+        A reason naming the first difference: another field name or order than :data:`RECORD_FIELDS`, an unknown
+        type, a size that does not fit its type, overlapping fields or a record size that does not hold them.
+    """
+    *named, (_, total, _, _) = fields
+    names = tuple(f[0] for f in named)
+    if names != RECORD_FIELDS:
+        shorter = min(len(names), len(RECORD_FIELDS))
+        diff = next((i for i, (a, b) in enumerate(zip(names, RECORD_FIELDS)) if a != b), shorter)
+        have = names[diff] if diff < len(names) else "(end)"
+        want = RECORD_FIELDS[diff] if diff < len(RECORD_FIELDS) else "(end)"
+        return f"its step record has field {have!r} where this gefen fills {want!r} (field {diff})"
+    end = 0
+    for name, offset, size, kind in named:
+        if kind not in _FORMATS or size != np.dtype(_FORMATS[kind]).itemsize:
+            return f"its step record's field {name!r} has type {kind!r} of {size} bytes"
+        if offset < end:
+            return f"its step record's field {name!r} at offset {offset} overlaps the previous one"
+        end = offset + size
+    if total < end:
+        return f"its step record is {total} bytes, less than its fields' {end}"
+    return ""
+
+
+def record_dtype() -> np.dtype:
+    """The numpy dtype of one step record, in the library's exported layout.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+    """
+    return _record_dtype(_require())
+
+
+@functools.cache
+def _record_dtype(lib: ctypes.CDLL) -> np.dtype:
+    *named, (_, total, _, _) = _exported_fields(lib)
+    return np.dtype(
+        {
+            "names": [f[0] for f in named],
+            "formats": [_FORMATS[f[3]] for f in named],
+            "offsets": [f[1] for f in named],
+            "itemsize": total,
+        }
+    )
+
+
+#: The library's return codes by name (filled when it loads).
+_ERRORS: dict[str, int] = {}
+
+
+def error_codes() -> dict[str, int]:
+    """The library's return codes by their C names (``"OK"``, ``"ERR_ARGS"``, ...).
+
+    Raises:
+        RuntimeError: the library is unavailable, or does not export a code this module tells apart.
+    """
+    _require()
+    missing = [name for name in _CODES if name not in _ERRORS]
+    if missing:
+        raise RuntimeError(f"gefen native library does not export the return codes {missing}")
+    return _ERRORS
 
 
 def native_status() -> NativeStatus:
@@ -270,16 +348,6 @@ def _require() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"gefen native backend unavailable: {status.reason}")
     return lib
-
-
-def as_float32(value: float) -> float:
-    """``value`` rounded to the nearest fp32, as a Python float."""
-    return _float32(value)
-
-
-@functools.lru_cache(maxsize=64)
-def _float32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def check_arguments(
@@ -400,8 +468,8 @@ def native_step(
         "shape": shape,
     }
     check_arguments(kind, **tensors)
-    hyper = {"beta2": beta2, "eps": eps, "lr": lr, "weight_decay": weight_decay, "step": step}
-    run_records([record(kind, **tensors, beta1=beta1, **hyper)])
+    scalars = StepScalars(beta1, beta2, eps, lr, weight_decay)
+    run_records([record(kind, **tensors, scalars=scalars, step=step)])
 
 
 def record(
@@ -413,15 +481,11 @@ def record(
     tables: tuple[Tensor, Tensor, Tensor],
     steps: int,
     period: int,
-    beta1: float,
+    scalars: StepScalars,
     param: Tensor | None = None,
     second: tuple[Tensor, ...] = (),
     out: Tensor | None = None,
     shape: tuple[int, int] = (0, 0),
-    beta2: float = 0.0,
-    eps: float = 1.0,
-    lr: float = 0.0,
-    weight_decay: float = 0.0,
     step: int = 1,
     threads: int | None = None,
     global_rows: int = 0,
@@ -429,7 +493,10 @@ def record(
     grad_bound: float = 0.0,
     counter: Tensor | None = None,
 ) -> tuple[object, ...]:
-    """The :class:`StepArgs` record of one call of :func:`native_step` as a tuple (field order), unchecked.
+    """The step record of one call of :func:`native_step` as a tuple (:data:`RECORD_FIELDS` order), unchecked.
+
+    ``scalars`` is the group's per-step record; its constants for ``step`` (the counter after increment) fill the
+    record's scalar fields, computed in float64 and rounded to fp32 once when the record is stored.
 
     ``global_rows > 0`` marks this rank's rows of a row-sharded (FSDP2) factored parameter with ``global_rows``
     rows in all: its column sums and row-moment total go to ``reduce_offset`` in the buffer of
@@ -449,6 +516,7 @@ def record(
     :func:`run_records` returns and has checked them (:func:`native_step` does, with :func:`check_arguments`).
     """
     codebook, lut, thresholds = tables
+    lerp, *constants = scalars.native_fields(step, kind)
     return (
         param.data_ptr() if param is not None else 0,
         grad.data_ptr(),
@@ -468,38 +536,14 @@ def record(
         NATIVE_DTYPES[param.dtype] if param is not None else 0,
         NATIVE_DTYPES[grad.dtype],
         steps,
-        *_step_constants(
-            kind, beta1, beta2, eps, lr, weight_decay, step, torch.get_num_threads() if threads is None else threads
-        ),
+        lerp,
+        _KINDS[kind],
+        torch.get_num_threads() if threads is None else threads,
+        *constants,
         grad_bound,
         global_rows,
         reduce_offset,
         _counter_pointer(counter),
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _step_constants(
-    kind: str, beta1: float, beta2: float, eps: float, lr: float, weight_decay: float, step: int, threads: int
-) -> tuple[object, ...]:
-    """The fields ``lerp_high`` .. ``bc2`` of a record (see :func:`record`): the same for every parameter of a
-    group at one step, so computed once (a scheduler's new lr or the next step is a new cache entry)."""
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    w = 1.0 - beta1
-    factored = kind == "factored"
-    return (
-        int(abs(_float32(w)) >= 0.5),
-        _KINDS[kind],
-        threads,
-        w,
-        beta2,
-        1.0 - beta2,
-        eps,
-        1.0 - lr * weight_decay,
-        -lr * (1.0 / bc1) if factored else -lr,
-        math.sqrt(bc2),
-        1.0 / bc1,
-        bc2,
     )
 
 
@@ -509,11 +553,6 @@ def _counter_pointer(counter: Tensor | None) -> int:
     if counter.dtype != torch.int64 or counter.device.type != "cpu" or counter.numel() != 1:
         raise ValueError(f"a step counter must be a 1-element int64 CPU tensor, got {counter.dtype} {counter.shape}")
     return counter.data_ptr()
-
-
-@functools.cache
-def _record_dtype() -> np.dtype:
-    return np.dtype(StepArgs)
 
 
 def run_records(
@@ -543,7 +582,7 @@ def run_records(
     lib = _require()
     if not records and buffer is None:
         return []
-    array = np.array(records, dtype=_record_dtype()) if records else None
+    array = np.array(records, dtype=_record_dtype(lib)) if records else None
     unusable = np.zeros(max(len(records), 1), dtype=np.uint8)
     failures: list[BaseException] = []
     callback = _NO_REDUCE
@@ -570,9 +609,10 @@ def run_records(
     )
     if failures:
         raise failures[0]
-    if rc == _ERR_UNUSABLE:
+    codes = error_codes()
+    if rc == codes["ERR_UNUSABLE"]:
         return np.flatnonzero(unusable[: len(records)]).tolist()
-    if rc == -3:
+    if rc == codes["ERR_REDUCE"]:
         raise RuntimeError("gefen native step: another rank failed before the reduce; nothing was changed")
     if rc != 0:
         raise RuntimeError(f"gefen native step rejected its arguments (code {rc}); nothing was changed")
@@ -651,9 +691,10 @@ def histogram_(counts: Tensor, g: Tensor, period: int, bound: float = 0.0) -> bo
     if not bound >= 0.0:
         raise RuntimeError(f"histogram_: bound {bound!r} is not >= 0")
     rc = lib.gefen_histogram(g.data_ptr(), numel, period, counts.data_ptr(), torch.get_num_threads(), as_float32(bound))
-    if rc == -2:
+    codes = error_codes()
+    if rc == codes["ERR_NOMEM"]:
         raise RuntimeError("gefen native histogram: out of memory")
-    if rc not in (0, _ERR_UNUSABLE):
+    if rc not in (codes["OK"], codes["ERR_UNUSABLE"]):
         raise RuntimeError(f"gefen native histogram refused its arguments (code {rc})")
     return rc == 0
 
@@ -716,10 +757,11 @@ def period_scores(g: Tensor, candidates: list[int], workspace: Tensor | None = N
         work,
         torch.get_num_threads(),
     )
-    if rc == -3:
+    codes = error_codes()
+    if rc == codes["ERR_NONFINITE"]:
         raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
-    if rc == -2:
+    if rc == codes["ERR_NOMEM"]:
         raise RuntimeError("gefen native period search: out of memory")
-    if rc not in (0, -4):
+    if rc not in (codes["OK"], codes["ERR_OVERFLOW"]):
         raise RuntimeError(f"gefen native period search refused its arguments (code {rc}: N={g.numel()})")
-    return (scores[:] if rc == 0 else None), bool(nonzero.value)
+    return (scores[:] if rc == codes["OK"] else None), bool(nonzero.value)

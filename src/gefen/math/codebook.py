@@ -9,6 +9,8 @@ checkpoint code); it keeps no state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -49,16 +51,8 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
 
     Source: algorithm.md §4.2 (histogram), §10.10 (chunking along block boundaries).
     """
-    _check_counts(counts, "accumulate_histogram_")
-    if not isinstance(g, Tensor) or not g.is_floating_point():
-        raise ValueError(f"accumulate_histogram_: g must be a floating-point tensor, got {_describe(g)}.")
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or g.numel() % period:
-        raise ValueError(
-            f"accumulate_histogram_: period={period!r} must be a positive int dividing g.numel()={g.numel()}."
-        )
+    check_histogram_arguments(counts, g, period)
     flat = g.reshape(-1)
-    if _native_histogram_(counts, flat, period):
-        return counts
     rows = max(1, _CHUNK_ELEMENTS // period)
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=g.device)
     for start in range(0, g.numel(), rows * period):
@@ -73,24 +67,19 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
     return counts
 
 
-def _native_histogram_(counts: Tensor, flat: Tensor, period: int) -> bool:
-    """The histogram of a contiguous fp32 CPU gradient by the native library (identical counts); ``False`` when
-    that does not apply (other dtype or device, no library), so the torch code below runs instead.
+def check_histogram_arguments(counts: Tensor, g: Tensor, period: int) -> None:
+    """The argument checks of :func:`accumulate_histogram_` (for its accelerated twins too).
 
     Raises:
-        ValueError: a non-finite value (``counts`` untouched), as the torch code does.
+        ValueError: bad ``counts`` dtype/shape, non-float ``g``, ``period`` not a positive divisor of ``g.numel()``.
     """
-    if flat.dtype != torch.float32 or flat.device.type != "cpu" or counts.device.type != "cpu":
-        return False
-    if not flat.is_contiguous() or not counts.is_contiguous():
-        return False
-    from gefen.kernels import native
-
-    if not native.native_status().available:
-        return False
-    if not native.histogram_(counts, flat, period):
-        raise ValueError("accumulate_histogram_: g has NaN or Inf values; skip or unscale this step.")
-    return True
+    _check_counts(counts, "accumulate_histogram_")
+    if not isinstance(g, Tensor) or not g.is_floating_point():
+        raise ValueError(f"accumulate_histogram_: g must be a floating-point tensor, got {_describe(g)}.")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or g.numel() % period:
+        raise ValueError(
+            f"accumulate_histogram_: period={period!r} must be a positive int dividing g.numel()={g.numel()}."
+        )
 
 
 def bin_centers() -> Tensor:
@@ -106,8 +95,18 @@ def bin_centers() -> Tensor:
     return ((k + 0.5) / (HISTOGRAM_BINS // 2) - 1.0).float()
 
 
+#: An accelerated solver of :func:`optimal_partition_centers`' layers (e.g.
+#: :func:`gefen.kernels.native.kmeans_centres`): ``(prefix (3, A + 1) float64, k, force_endpoints, rounding slack)
+#: -> (k,) float64 centres`` (any order).
+PartitionSolver = Callable[[np.ndarray, int, bool, tuple[float, float]], np.ndarray]
+
+
 def optimal_partition_centers(
-    points: np.ndarray, weights: np.ndarray, k: int, force_endpoints: bool = True, backend: str = "auto"
+    points: np.ndarray,
+    weights: np.ndarray,
+    k: int,
+    force_endpoints: bool = True,
+    solver: PartitionSolver | None = None,
 ) -> np.ndarray:
     """Exact optimal weighted 1-D k-means of sorted points, bit-identical to the dynamic programme of §4.3.
 
@@ -127,18 +126,16 @@ def optimal_partition_centers(
         weights: (A,) finite and > 0 (the bin counts ``n``).
         k: number of clusters, ``1 <= k <= A`` (``k >= 2`` when ``force_endpoints``).
         force_endpoints: pin the first centre to -1 and the last to +1 (the optimizer's setting).
-        backend: ``"numpy"`` (this module, the reference), ``"native"`` (the same layers by divide and conquer in
-            the native library, :func:`gefen.kernels.native.kmeans_centres`: identical centres in milliseconds)
-            or ``"auto"`` (native when the library is loaded).
+        solver: ``None`` for this module's layers (the reference), or an accelerated solver of the same
+            programme (:data:`PartitionSolver`; :func:`gefen.kernels.first_step.optimal_partition_centers` passes
+            the native library's, identical centres in milliseconds), called with ``k >= 2``.
 
     Returns:
         (k,) float64 centres, sorted ascending.
 
     Raises:
         ValueError: shapes, values or ``k`` out of range, or weights so unbalanced that float64 prefix sums
-            lose more than half the smallest weight (never for integer counts summing to < 2**51); an unknown
-            ``backend``.
-        RuntimeError: ``backend="native"`` without the native library.
+            lose more than half the smallest weight (never for integer counts summing to < 2**51).
 
     Source: algorithm.md §4.3 (programme, tie rule), §13.2 (fast exact method required).
     """
@@ -153,13 +150,8 @@ def optimal_partition_centers(
     W, X, Q = prefix
     rows = size - k + 1  # layer c only needs ends e = c .. c + rows - 1 (the others cannot reach (A, k))
     slack = _rounding_slack(z, n, tx, tq, prefix)
-    if backend not in ("auto", "native", "numpy"):
-        raise ValueError(f"optimal_partition_centers: backend must be 'auto', 'native' or 'numpy', got {backend!r}")
-    if backend != "numpy" and k >= 2:
-        from gefen.kernels import native
-
-        if backend == "native" or native.native_status().available:
-            return np.sort(native.kmeans_centres(prefix, k, force_endpoints, slack))
+    if solver is not None and k >= 2:
+        return np.sort(solver(prefix, k, force_endpoints, slack))
     e = np.arange(1, rows + 1)
     F = 0.0 + _cost(W[e] - W[0], X[e] - X[0], Q[e] - Q[0], -1.0 if force_endpoints else None)
     history = {1: (F, None, None)}  # cluster c -> (F, L, R) over ends e = c + j
@@ -332,7 +324,7 @@ def _solve_guided(layer: _Layer, l_prev: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 @torch.no_grad()
-def fit_codebook(counts: Tensor) -> Tensor:
+def fit_codebook(counts: Tensor, solver: PartitionSolver | None = None) -> Tensor:
     """Fit the 256-entry codebook to a histogram.
 
     Active bins (count > 0) give points ``z_k`` (their centres) with weights ``n_k``. With ``A >= 255`` active
@@ -344,6 +336,7 @@ def fit_codebook(counts: Tensor) -> Tensor:
 
     Args:
         counts: (4096,) int64, non-negative, not all zero; on any device.
+        solver: an accelerated solver for :func:`optimal_partition_centers` (``None``: the reference's).
 
     Returns:
         (256,) float32 on ``counts.device``: non-decreasing, ``c[0] = -1``, ``c[255] = +1``, contains 0.0.
@@ -366,7 +359,7 @@ def fit_codebook(counts: Tensor) -> Tensor:
         codes = np.concatenate([z, fixed])
     else:
         k = min(CODEBOOK_SIZE - 1, active.size)
-        centres = optimal_partition_centers(z.astype(np.float64), host[active].astype(np.float64), k)
+        centres = optimal_partition_centers(z.astype(np.float64), host[active].astype(np.float64), k, True, solver)
         codes = centres.astype(np.float32)
         if not (codes == 0.0).any():
             codes = np.append(codes, np.float32(0.0))

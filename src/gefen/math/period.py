@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -241,36 +242,31 @@ def fallback_period(numel: int, shape: tuple[int, ...]) -> int:
     return max(cands) if cands else numel
 
 
+#: An accelerated score function (e.g. :func:`gefen.kernels.native.period_scores`): ``(flat fp32 contiguous
+#: gradient, candidate periods, optional float64 workspace) -> (scores or None, any non-zero)``; ``None`` scores
+#: leave the decision to the reference. Raises ValueError for a non-finite gradient.
+ScoreFunction = Callable[[Tensor, list[int], "Tensor | None"], tuple["list[float] | None", bool]]
+
+
 def _searched_period(
-    grad: Tensor, backend: str, want_nonzero: bool, workspace: Tensor | None = None
+    grad: Tensor, scores: ScoreFunction | None, want_nonzero: bool, workspace: Tensor | None = None
 ) -> tuple[int, bool]:
     """The §3.2 period of a gradient of ``N >= 2`` elements (before the fallback) and whether it is non-zero
-    anywhere (always ``True`` unless ``want_nonzero``)."""
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"period search backend={backend!r} is not 'auto', 'native' or 'torch'")
-    native = backend == "native" or (
-        backend == "auto" and grad.device.type == "cpu" and _native_kernels().native_status().available
-    )
-    if native:
-        # the library reads the elements in memory order, whatever the shape: a contiguous fp32 gradient goes as it
-        # is (each detach / reshape / to costs ~5-10 us of dispatch, ~1 ms over a model's first step)
+    anywhere (always ``True`` unless ``want_nonzero``); with ``scores``, the candidates are scored by it."""
+    if scores is not None:
+        # the accelerated scores read the elements in memory order, whatever the shape: a contiguous fp32 gradient
+        # goes as it is (each detach / reshape / to costs ~5-10 us of dispatch, ~1 ms over a model's first step)
         plain = grad.dtype == torch.float32 and grad.is_contiguous()
         flat = grad if plain else grad.detach().reshape(-1).to(torch.float32).contiguous()
         cands, needed, periods = _search_plan(flat.numel())
-        scores, nonzero = _native_kernels().period_scores(flat, list(periods), workspace)
-        if scores is not None:  # None: some g * g overflows fp32, where the reference's rounding decides
-            return (_select(cands, dict(zip(needed, scores))) if needed else 1), nonzero
+        values, nonzero = scores(flat, list(periods), workspace)
+        if values is not None:  # None: some g * g overflows fp32, where the reference's rounding decides
+            return (_select(cands, dict(zip(needed, values))) if needed else 1), nonzero
     g32 = grad.detach().reshape(-1).to(torch.float32)
     if not bool(torch.isfinite(g32).all()):
         raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
     nonzero = bool(g32.any()) if want_nonzero else True
     return search_period(g32.square()), nonzero
-
-
-def _native_kernels():  # noqa: ANN202 - the module (imported late: gefen.kernels imports gefen.math)
-    from gefen.kernels import native
-
-    return native
 
 
 #: A tensor whose rows are too short to hold a block (fewer than :data:`MIN_ROW_LENGTH` elements, e.g. 1-D) takes
@@ -327,14 +323,17 @@ def per_element_blocks(shape: tuple[int, ...], sharded: bool = False) -> bool:
 
 
 def first_period(
-    grad: Tensor, shape: tuple[int, ...] | None = None, backend: str = "auto", workspace: Tensor | None = None
+    grad: Tensor,
+    shape: tuple[int, ...] | None = None,
+    scores: ScoreFunction | None = None,
+    workspace: Tensor | None = None,
 ) -> int | None:
     """:func:`find_period` for a parameter's first gradient, or ``None`` when that gradient is zero everywhere.
 
     An all-zero gradient carries no information for the search (nor for the codebook): the optimizer starts such
     a parameter at its first non-zero gradient. ``workspace``: optional float64 CPU scratch of at least
-    ``grad.numel() + 1`` elements for the native search, reused across calls (saves the page faults of a fresh
-    buffer per tensor). Other arguments, errors and source as :func:`find_period`.
+    ``grad.numel() + 1`` elements for the accelerated ``scores``, reused across calls (saves the page faults of a
+    fresh buffer per tensor). Other arguments, errors and source as :func:`find_period`.
     """
     n = grad.numel()
     if n == 0:
@@ -344,30 +343,29 @@ def first_period(
         if not math.isfinite(value):
             raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
         return 1 if value != 0.0 else None
-    period, nonzero = _searched_period(grad, backend, want_nonzero=True, workspace=workspace)
+    period, nonzero = _searched_period(grad, scores, want_nonzero=True, workspace=workspace)
     if not nonzero:
         return None
     return period if period != 1 else fallback_period(n, tuple(grad.shape if shape is None else shape))
 
 
-def find_period(grad: Tensor, shape: tuple[int, ...] | None = None, backend: str = "auto") -> int:
+def find_period(grad: Tensor, shape: tuple[int, ...] | None = None, scores: ScoreFunction | None = None) -> int:
     """Period of one parameter from its first gradient: the §3.2 score, then the §3.4 fallback.
 
     Args:
         grad: the parameter's first gradient, any shape, real floating dtype, finite values.
         shape: the parameter's global shape (defaults to ``grad.shape``); used only by the fallback.
-        backend: ``"torch"`` (the reference, :func:`search_period`), ``"native"`` (the C library's scores,
-            :func:`gefen.kernels.native.period_scores`: the same programme, its own float64 log; the scores agree
-            with the reference's to about 1e-12 relative, so only a near-exact tie between two candidates can be
-            decided differently) or ``"auto"`` (native for CPU gradients where the library loaded).
+        scores: ``None`` for the reference's scores (:func:`search_period`), or an accelerated score function of the
+            same programme (:data:`ScoreFunction`; :func:`gefen.kernels.first_step.find_period` passes the native
+            library's, whose scores agree with the reference's to about 1e-12 relative, so only a near-exact tie
+            between two candidates can be decided differently).
 
     Returns:
         ``P`` dividing ``grad.numel()``: ``1`` for ``N < 8``, otherwise the searched period or the fallback,
         never 1.
 
     Raises:
-        ValueError: ``grad`` is empty or has non-finite values, or ``backend`` is unknown.
-        RuntimeError: ``backend="native"`` and the library is unavailable.
+        ValueError: ``grad`` is empty or has non-finite values.
 
     Source: algorithm.md §3.2, §3.4 and §13.1.
     """
@@ -376,7 +374,7 @@ def find_period(grad: Tensor, shape: tuple[int, ...] | None = None, backend: str
         raise ValueError("find_period needs a non-empty gradient (zero-numel parameters are skipped)")
     if n == 1:
         return 1
-    period, _ = _searched_period(grad, backend, want_nonzero=False)
+    period, _ = _searched_period(grad, scores, want_nonzero=False)
     if period == 1:
         period = fallback_period(n, tuple(grad.shape if shape is None else shape))
     return period

@@ -28,10 +28,10 @@ from gefen.amp import (
     wants_native_amp,
 )
 from gefen.checkpoint import LIVE_GROUP_CARRIERS, StagedLoad, attach_metadata, build_metadata, stage_load
-from gefen.compiled import StepKernels, fused_by_default
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
 from gefen.kernels import group_backend, resolve_backend_option
+from gefen.kernels.compiled import StepKernels, fused_by_default
 from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (

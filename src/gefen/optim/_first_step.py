@@ -14,9 +14,10 @@ from torch import Tensor
 
 from gefen.amp import usable_bound
 from gefen.kernels import group_backend, native_status
+from gefen.kernels.first_step import accumulate_histogram_, find_period, first_period, fit_codebook
 from gefen.kernels.native import histogram_ as native_histogram_
-from gefen.math.codebook import CODEBOOK_SIZE, HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
-from gefen.math.period import find_period, first_period, per_element_blocks, row_aligned_period
+from gefen.math.codebook import CODEBOOK_SIZE, HISTOGRAM_BINS
+from gefen.math.period import per_element_blocks, row_aligned_period
 from gefen.optim._base import WorkItem
 from gefen.sharding import all_reduce_, collective_device, gather_rows
 

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from gefen.amp import usable_bound
-from gefen.compiled import kernel_grad
-from gefen.hyperparams import as_float
+from gefen.kernels.compiled import kernel_grad
 from gefen.kernels.native import as_float32, run_records
 from gefen.kernels.native import check_arguments as check_native_arguments
 from gefen.kernels.native import record as native_record
+from gefen.kernels.scalars import StepScalars
 from gefen.math.lookup import NearestCodeTable
 from gefen.optim._base import WorkItem
 from gefen.sharding import all_reduce_, local_state
@@ -59,7 +59,7 @@ def run_native_jobs(
     """
     tables = (table.codebook, table.lut, table.thresholds)
     records, keep, copies, names, empty_steps = [], [], [], [], []
-    hyper: dict[int, tuple[float, ...]] = {}
+    scalars: dict[int, StepScalars] = {}  # one record per group and step
     threads = torch.get_num_threads()
     reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
     for item, group in jobs:
@@ -104,21 +104,14 @@ def run_native_jobs(
         ):
             check_native_arguments(kind, **call)
         keep.append(call)
-        values = hyper.get(id(group))
-        if values is None:
-            beta1, beta2 = (as_float(b) for b in group["betas"])
-            values = (beta1, beta2, as_float(group["eps"]), as_float(group["lr"]), as_float(group["weight_decay"]))
-            hyper[id(group)] = values
-        beta1, beta2, eps, lr, weight_decay = values
+        record = scalars.get(id(group))
+        if record is None:
+            record = scalars[id(group)] = StepScalars.of_group(group)
         records.append(
             native_record(
                 kind,
                 **call,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                lr=lr,
-                weight_decay=weight_decay,
+                scalars=record,
                 step=int(step) + 1,
                 threads=threads,
                 global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,

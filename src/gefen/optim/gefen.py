@@ -12,7 +12,10 @@ from torch import Tensor
 from gefen._warnings import warn_user
 from gefen.amp import unusable_names, usable_flags
 from gefen.checkpoint import StagedLoad
-from gefen.compiled import (
+from gefen.errors import ConfigError, StepError
+from gefen.hyperparams import as_float
+from gefen.kernels import auto_backend, group_backend, native_status, native_supports
+from gefen.kernels.compiled import (
     COMPILED_DTYPES,
     KernelSignature,
     as_float32,
@@ -23,17 +26,10 @@ from gefen.compiled import (
     kernel_grad,
     lerp_high,
 )
-from gefen.errors import ConfigError, StepError
-from gefen.hyperparams import as_float
-from gefen.kernels import auto_backend, group_backend, native_status, native_supports
+from gefen.kernels.fused import fused_step_, lookup_table_as_float
+from gefen.kernels.scalars import APPLY, StepScalars
 from gefen.math.codebook import (
     zero_code_index,
-)
-from gefen.math.fused import (
-    APPLY,
-    device_step_scalars,
-    lookup_table_as_float,
-    step_scalars,
 )
 from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
@@ -50,7 +46,6 @@ from gefen.math.moments import (
 from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
-from gefen.optim._compiled import fused_step_
 from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
 from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
@@ -422,17 +417,17 @@ class Gefen(GefenOptimizer):
     def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
         """``capturable=True``: one parameter's step with every per-step value computed on its device.
 
-        The same §6.2 / §6.4 chain as the compiled kernels (:mod:`gefen.math.fused`), called directly so that a
+        The same §6.2 / §6.4 chain as the compiled kernels (:mod:`gefen.kernels.fused`), called directly so that a
         ``torch.compile`` of the whole ``step()`` fuses it and a CUDA graph can capture it; the constants come
-        from :func:`gefen.math.fused.device_step_scalars` (step counter and ``lr`` read on the device).
+        from :meth:`gefen.kernels.scalars.StepScalars.compiled_row_on_device` (step counter and ``lr`` read on the
+        device).
         """
         view = ParamState.from_dict(self.state[item.param])
         beta1, beta2 = (as_float(b) for b in group["betas"])
         view.step.add_(1)
         factored = view.kind == "factored"
-        scalars = device_step_scalars(
-            beta1, beta2, as_float(group["eps"]), group["lr"], as_float(group["weight_decay"]), view.step, factored
-        )
+        record = StepScalars(beta1, beta2, as_float(group["eps"]), 0.0, as_float(group["weight_decay"]))
+        scalars = record.compiled_row_on_device(view.step, group["lr"], factored)
         device, high = item.param.device, lerp_high(self._ema_weight(group))
         tables, steps = self._fused_tables(device), self._nearest_table(device).steps
         fused_step_(item.param, item.grad, view, scalars, tables, steps, high)
@@ -606,7 +601,7 @@ class Gefen(GefenOptimizer):
         """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.
 
         ``flags`` ((n,) bool on the one device of all ``jobs``, see :meth:`_deferred_finite_check`): the step is
-        decided on the device: its apply entry (:data:`gefen.math.fused.APPLY`) is ``all(flags)``, so a skipped
+        decided on the device: its apply entry (:data:`gefen.kernels.fused.APPLY`) is ``all(flags)``, so a skipped
         step writes nothing, and the counters move when the :class:`gefen.nonfinite.PendingCheck` this leaves in
         ``self._pending_check`` is settled.
 
@@ -620,12 +615,14 @@ class Gefen(GefenOptimizer):
             ``id(param)`` of the parameters left for the eager path.
         """
         rows: dict[torch.device, list[list[float]]] = {}
+        records: dict[int, StepScalars] = {}  # one per group and step
         for item, group, signature in jobs:
             step = int(ParamState.from_dict(self.state[item.param]).step) + 1
-            hyper = (as_float(group[key]) for key in ("eps", "lr", "weight_decay"))
-            beta1, beta2 = (as_float(b) for b in group["betas"])
-            factored = signature.kind == "factored"
-            rows.setdefault(item.param.device, []).append(step_scalars(beta1, beta2, *hyper, step, factored))
+            record = records.get(id(group))
+            if record is None:
+                record = records[id(group)] = StepScalars.of_group(group)
+            row = record.compiled_row(step, signature.kind == "factored")
+            rows.setdefault(item.param.device, []).append(row)
         constants = {dev: constants_on(dev, r) for dev, r in rows.items()}
         if flags is not None:
             for table in constants.values():

@@ -35,10 +35,10 @@ from gefen.checkpoint_hybrid import (
     hybrid_metadata,
     split_hybrid_state_dict,
 )
-from gefen.compiled import host_only
 from gefen.errors import CheckpointError, ConfigError, StepError
 from gefen.hyperparams import check_betas, check_eps, check_flags, check_group, check_lr, check_weight_decay
 from gefen.kernels import resolve_backend_option
+from gefen.kernels.compiled import host_only
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.optim._base import StepSkip, WorkItem, iter_named_params
 from gefen.optim._capture import check_not_inference

@@ -9,11 +9,12 @@ import torch
 from torch import Tensor
 
 from gefen._warnings import warn_user
-from gefen.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps
+from gefen.kernels.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
+from gefen.kernels.fused import fused_momentum_, write_param_
 from gefen.kernels.native import native_step
-from gefen.math.fused import SCALARS, fused_momentum_, write_param_
+from gefen.kernels.scalars import COMPILED_LAYOUT
 from gefen.math.moments import apply_update_, update_quantized_moment
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
 from gefen.optim._base import WorkItem
@@ -222,12 +223,12 @@ class GefenMuon(Gefen):
         self._update(item, group)
 
     def _momentum_on_device(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
-        """``m̂`` (fp32, (B, P)) with the state updated in place, by :func:`gefen.math.fused.fused_momentum_`."""
+        """``m̂`` (fp32, (B, P)) with the state updated in place, by :func:`gefen.kernels.fused.fused_momentum_`."""
         device = item.param.device
         blocks = tuple(view.codes.shape)
         out = torch.empty(blocks, dtype=torch.float32, device=device)
         codebook, lut, thresholds = self._fused_tables(device)
-        weight = torch.full((SCALARS,), 1.0 - beta, dtype=torch.float32, device=device)
+        weight = torch.full((len(COMPILED_LAYOUT),), 1.0 - beta, dtype=torch.float32, device=device)
         fused_momentum_(
             kernel_grad(item.grad, blocks),
             view.codes,
@@ -410,7 +411,7 @@ class GefenMuon(Gefen):
 
 def _muon_constants(device: torch.device, beta: float) -> Tensor:
     """The compiled momentum kernel's constants: entry 0 is the EMA weight ``1 − β`` (fp32, on ``device``)."""
-    return constants_on(device, [[1.0 - beta] + [0.0] * (SCALARS - 1)])[0]
+    return constants_on(device, [[1.0 - beta] + [0.0] * (len(COMPILED_LAYOUT) - 1)])[0]
 
 
 def _check_muon_group(group: Mapping[str, Any], where: str) -> None:

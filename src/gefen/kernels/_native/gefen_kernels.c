@@ -24,6 +24,7 @@
 #define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -37,7 +38,7 @@
 #define GEFEN_X86 0
 #endif
 
-#define GEFEN_ABI_VERSION 6
+#define GEFEN_ABI_VERSION 7
 
 #define INLINE __attribute__((always_inline)) inline
 /* UNROLL4 fully unrolls the four 16-lane steps of a 64-element group, so their vectors stay in registers (GCC at -O2
@@ -69,9 +70,19 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KIND_BLOCK = 0, KIND_FACTORED = 1, KIND_MOMENTUM = 2 };
 enum { LEVEL_SCALAR = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
-enum { OK = 0, ERR_ARGS = -1, ERR_NOMEM = -2, ERR_REDUCE = -3, ERR_UNUSABLE = -5 };
+/* Return codes; exported by name (gefen_error_code) so that Python never declares them a second time. */
+enum {
+    OK = 0,
+    ERR_ARGS = -1,
+    ERR_NOMEM = -2,
+    ERR_REDUCE = -3,    /* another rank failed before the reduce */
+    ERR_NONFINITE = -3, /* the period scores' gradient holds a NaN or an infinity */
+    ERR_OVERFLOW = -4,  /* the period scores' g * g overflows fp32 */
+    ERR_UNUSABLE = -5   /* a record's gradient failed its grad_bound check */
+};
 
-/* The argument record. Must match gefen/kernels/native.py (StepArgs) field by field. */
+/* The argument record: its one declaration. Python builds its records from the layout that gefen_step_field exports
+ * (names, offsets, sizes, types) and refuses to load a library whose fields differ from the ones it fills. */
 typedef struct {
     void *param;              /* (N,) parameter, param_dtype; unused for KIND_MOMENTUM */
     const void *grad;         /* (N,) gradient, grad_dtype, contiguous */
@@ -344,6 +355,60 @@ int gefen_force_level(int level) {
 static int active_level(void) { return g_forced_level >= 0 ? g_forced_level : gefen_cpu_level(); }
 
 int gefen_abi_version(void) { return GEFEN_ABI_VERSION; }
+
+/* ------------------------------------------------------------------ the record's layout and the return codes */
+typedef struct {
+    const char *name;
+    int64_t offset, size;
+    char type; /* 'p' pointer, 'q' int64, 'f' fp32 */
+} field_info;
+
+#define FIELD(name, type) {#name, (int64_t)offsetof(gefen_step_args, name), (int64_t)sizeof(((gefen_step_args *)0)->name), type}
+static const field_info step_fields[] = {
+    FIELD(param, 'p'),      FIELD(grad, 'p'),        FIELD(codes, 'p'),           FIELD(scale, 'p'),
+    FIELD(v, 'p'),          FIELD(v_row, 'p'),       FIELD(v_col, 'p'),           FIELD(out, 'p'),
+    FIELD(codebook, 'p'),   FIELD(lut, 'p'),         FIELD(thresholds, 'p'),      FIELD(numel, 'q'),
+    FIELD(period, 'q'),     FIELD(rows, 'q'),        FIELD(cols, 'q'),            FIELD(param_dtype, 'q'),
+    FIELD(grad_dtype, 'q'), FIELD(steps, 'q'),       FIELD(lerp_high, 'q'),       FIELD(kind, 'q'),
+    FIELD(threads, 'q'),    FIELD(w, 'f'),           FIELD(beta2, 'f'),           FIELD(one_minus_beta2, 'f'),
+    FIELD(eps, 'f'),        FIELD(decay, 'f'),       FIELD(step, 'f'),            FIELD(root_bc2, 'f'),
+    FIELD(inv_bc1, 'f'),    FIELD(bc2, 'f'),         FIELD(grad_bound, 'f'),      FIELD(global_rows, 'q'),
+    FIELD(reduce_offset, 'q'), FIELD(counter, 'p'),
+};
+#undef FIELD
+/* every field is listed: the record has no padding, so the listed sizes add up to the whole record */
+_Static_assert(sizeof(gefen_step_args) == 11 * sizeof(void *) + 10 * 8 + 10 * 4 + 2 * 8 + sizeof(void *),
+               "a field of gefen_step_args is missing from step_fields");
+
+/* The size of one gefen_step_args record in bytes. */
+int64_t gefen_step_record_size(void) { return (int64_t)sizeof(gefen_step_args); }
+
+/* Field i of the record (0 <= i < the count returned for i = -1): its name, byte offset, size and type. Returns the
+ * number of fields for i = -1, 0 for a valid i, ERR_ARGS past the end. */
+int64_t gefen_step_field(int64_t i, const char **name, int64_t *offset, int64_t *size, char *type) {
+    int64_t count = (int64_t)(sizeof(step_fields) / sizeof(step_fields[0]));
+    if (i < 0) return count;
+    if (i >= count || !name || !offset || !size || !type) return ERR_ARGS;
+    *name = step_fields[i].name;
+    *offset = step_fields[i].offset;
+    *size = step_fields[i].size;
+    *type = step_fields[i].type;
+    return 0;
+}
+
+/* Return code i by name (the enum above); returns ERR_ARGS past the end, 0 otherwise. */
+int gefen_error_code(int64_t i, const char **name, int *value) {
+    static const struct {
+        const char *name;
+        int value;
+    } codes[] = {{"OK", OK},         {"ERR_ARGS", ERR_ARGS},         {"ERR_NOMEM", ERR_NOMEM},
+                 {"ERR_REDUCE", ERR_REDUCE}, {"ERR_NONFINITE", ERR_NONFINITE}, {"ERR_OVERFLOW", ERR_OVERFLOW},
+                 {"ERR_UNUSABLE", ERR_UNUSABLE}};
+    if (i < 0 || i >= (int64_t)(sizeof(codes) / sizeof(codes[0])) || !name || !value) return ERR_ARGS;
+    *name = codes[i].name;
+    *value = codes[i].value;
+    return 0;
+}
 
 /* ------------------------------------------------------------------ the block loop */
 static void block_task(const void *ctx_, int64_t task, int64_t thread) {
@@ -742,14 +807,6 @@ int gefen_step_many_reduce(const gefen_step_args *args, int64_t n, double *buffe
     return rc;
 }
 
-int gefen_step_many(const gefen_step_args *args, int64_t n) {
-    if (!args || n <= 0) return ERR_ARGS;
-    for (int64_t i = 0; i < n; i++)
-        if (args[i].global_rows > 0) return ERR_ARGS; /* sharded records need gefen_step_many_reduce */
-    return gefen_step_many_reduce(args, n, 0, 0, 0, 0);
-}
-
-int gefen_step(const gefen_step_args *a) { return gefen_step_many(a, 1); }
 
 /* ------------------------------------------------------------------ first step: the codebook fit */
 #include "gefen_codebook.c"

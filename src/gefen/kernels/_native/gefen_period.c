@@ -24,7 +24,6 @@
  * The vector paths (AVX2, AVX-512) are in gefen_period_simd.c, included below the scalar functions they reproduce.
  */
 
-enum { ERR_NONFINITE = -3, ERR_OVERFLOW = -4 };
 
 /* Elements per task of the log and prefix passes (fixed: the chunk sums fix the summation order). */
 #define PERIOD_CHUNK 65536

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import struct
 import time
 import types
 from collections.abc import Callable
@@ -27,7 +26,14 @@ import torch
 from torch import Tensor
 
 from gefen.errors import ConfigError
-from gefen.math.fused import SCALARS, factored_roots_, fused_block_step_, fused_factored_update_, fused_momentum_
+from gefen.kernels.fused import (
+    factored_roots_,
+    fused_block_step_,
+    fused_factored_update_,
+    fused_momentum_,
+    kernel_grad,
+)
+from gefen.kernels.scalars import COMPILED_LAYOUT, as_float32, lerp_high
 
 __all__ = [
     "KernelSignature",
@@ -89,7 +95,7 @@ def constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
 
     Args:
         device: the parameters' device.
-        rows: one list of floats per parameter (e.g. :func:`gefen.math.fused.step_scalars`).
+        rows: one list of floats per parameter (e.g. :meth:`gefen.kernels.scalars.StepScalars.compiled_row`).
 
     Returns:
         (len(rows), len(rows[0])) fp32 on ``device``. On accelerators the host tensor is pinned (torch's caching
@@ -99,20 +105,6 @@ def constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def kernel_grad(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """A gradient as the kernels take it: detached, contiguous, in ``shape``; float64 cast to float32 (the step
-    computes in fp32 either way, algorithm.md §6.5). A copy only when one of those is needed."""
-    grad = grad.detach()
-    if grad.dtype == torch.float64:
-        grad = grad.to(torch.float32)
-    return grad.reshape(shape).contiguous()
-
-
-def as_float32(value: float) -> float:
-    """``value`` rounded to the nearest fp32, as a Python float (no tensor needed)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 _HOST_STEP_REASON = (
@@ -129,18 +121,6 @@ def host_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     if "reason" in inspect.signature(torch.compiler.disable).parameters:
         return torch.compiler.disable(fn, reason=_HOST_STEP_REASON)
     return torch.compiler.disable(fn)
-
-
-def lerp_high(weight: float) -> bool:
-    """Whether ``torch.lerp`` takes its ``w >= 0.5`` branch for this EMA weight: torch tests the fp32 weight.
-
-    Inside a ``torch.compile`` trace (``capturable=True``, where a changed hyperparameter is traced as a symbolic
-    float) the exact value is compared instead; the two differ only within fp32 rounding of 0.5, where either
-    branch is the same lerp to an ulp.
-    """
-    if torch.compiler.is_compiling():
-        return abs(weight) >= 0.5
-    return abs(as_float32(weight)) >= 0.5
 
 
 @functools.cache
@@ -337,7 +317,7 @@ def _scratch_arguments(
         return torch.zeros(size, dtype=dtype, device=device)
 
     scalars = torch.tensor([0.1, 0.999, 0.001, 1e-8, 1.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=device)
-    assert scalars.numel() == SCALARS
+    assert scalars.numel() == len(COMPILED_LAYOUT)
     head = [zeros(shape, signature.param_dtype), zeros(shape, signature.grad_dtype)]
     moment = [zeros((blocks, period), torch.uint8), zeros((blocks,), torch.float32)]
     if signature.kind == "block":

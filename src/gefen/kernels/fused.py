@@ -12,45 +12,25 @@ are identical (same fp32 operations, same fused multiply-add in the EMA, the sam
 second moments differ only by the summation order of the block mean squares (a few ulps); parameters by the
 rounding of ``sqrt`` and of those sums (a few ulps of the update).
 
-Layout of ``scalars`` (fp32, on the parameter's device), built by :func:`step_scalars`:
-
-=====  ==============================  =====================================================
-index  block second moment             factored second moment
-=====  ==============================  =====================================================
-0      ``1 − β1`` (EMA weight)         same
-1      ``β2``                          same
-2      ``1 − β2``                      same
-3      ``ε``                           same
-4      ``1 − η·λ`` (weight decay)      same
-5      ``sqrt(1 − β2^t)``              ``1 − β2^t``
-6      ``1 / (1 − β1^t)``              ``1`` (unused)
-7      ``−η``                          ``−η / (1 − β1^t)``
-8      apply: ``1`` writes the step,   same
-       ``0`` keeps every state and
-       parameter value
-=====  ==============================  =====================================================
-
-Entry 8 lets a step be decided on the device: ``nonfinite="skip"`` without a host read sets it to 0 when a
+Every value that changes from step to step arrives in one fp32 ``scalars`` row per parameter, the compiled
+serialisation of the group's :class:`gefen.kernels.scalars.StepScalars` (layout: its ``COMPILED_LAYOUT``). Its
+entry ``APPLY`` lets a step be decided on the device: ``nonfinite="skip"`` without a host read sets it to 0 when a
 gradient is unusable, and every write of the kernels then keeps the old value (``torch.where``, so a NaN never
-reaches the state). :func:`step_scalars` and :func:`device_step_scalars` set it to 1.
+reaches the state).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.fma)
 from torch import Tensor
 
+from gefen.kernels.scalars import APPLY
 from gefen.math.lookup import LOOKUP_BUCKETS
 from gefen.math.moments import FLOAT32_TINY
+from gefen.state import ParamState
 
 __all__ = [
-    "SCALARS",
-    "APPLY",
-    "step_scalars",
-    "device_step_scalars",
     "write_param_",
     "lookup_table_as_float",
     "nearest_code_lut",
@@ -59,79 +39,20 @@ __all__ = [
     "factored_roots_",
     "fused_factored_update_",
     "fused_momentum_",
+    "fused_step_",
+    "kernel_grad",
 ]
-
-#: Number of entries of the per-parameter ``scalars`` tensor.
-SCALARS = 9
-#: Index of the apply flag in ``scalars`` (see the module docstring).
-APPLY = 8
 
 _fma = torch.ops.prims.fma
 
 
-def step_scalars(
-    beta1: float, beta2: float, eps: float, lr: float, weight_decay: float, step: int, factored: bool
-) -> list[float]:
-    """The per-step constants of one parameter (see the module docstring; apply = 1), as Python floats.
-
-    Computed in float64 exactly as the eager path computes its Python scalars, then rounded to fp32 once by
-    the caller's ``torch.tensor(..., dtype=torch.float32)``.
-
-    Args:
-        beta1, beta2: decays in ``[0, 1)``.
-        eps: ε > 0.
-        lr: η >= 0.
-        weight_decay: λ >= 0.
-        step: the parameter's step counter after increment (``t >= 1``).
-        factored: whether the parameter uses the factored second moment.
-
-    Returns:
-        A list of :data:`SCALARS` floats.
-
-    Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5.
-    """
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    head = [1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * weight_decay]
-    if factored:
-        return head + [bc2, 1.0, -lr * (1.0 / bc1), 1.0]
-    return head + [math.sqrt(bc2), 1.0 / bc1, -lr, 1.0]
-
-
-def device_step_scalars(
-    beta1: float, beta2: float, eps: float, lr: float | Tensor, weight_decay: float, step: Tensor, factored: bool
-) -> Tensor:
-    """:func:`step_scalars` computed on the device from a device step counter and a float or tensor ``lr``.
-
-    Used by ``capturable=True``: no value is read on the host, so the step can be traced by ``torch.compile`` or
-    captured in a CUDA graph, and a tensor ``lr`` changed in place between replays takes effect. The arithmetic
-    runs in float64 on the device (as :func:`step_scalars` does on the host) and is rounded to fp32 once.
-
-    Args:
-        beta1, beta2, eps, weight_decay: Python floats (baked into a captured graph).
-        lr: η as a float or a 1-element tensor (any device; read on ``step.device``).
-        step: 0-dim integer tensor, the parameter's step counter after increment (``t >= 1``).
-        factored: the parameter uses the factored second moment.
-
-    Returns:
-        (:data:`SCALARS`,) fp32 on ``step.device`` in the layout of the module docstring (apply = 1).
-
-    Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5.
-    """
-    device = step.device
-
-    def const(value: float) -> Tensor:
-        return torch.full((), value, dtype=torch.float64, device=device)
-
-    t = step.to(torch.float64)
-    eta = lr.to(device=device, dtype=torch.float64).reshape(()) if isinstance(lr, Tensor) else const(lr)
-    bc1 = 1.0 - torch.pow(const(beta1), t)
-    bc2 = 1.0 - torch.pow(const(beta2), t)
-    head = [const(1.0 - beta1), const(beta2), const(1.0 - beta2), const(eps), 1.0 - eta * weight_decay]
-    if factored:
-        tail = [bc2, const(1.0), -eta * (1.0 / bc1), const(1.0)]
-    else:
-        tail = [torch.sqrt(bc2), 1.0 / bc1, -eta, const(1.0)]
-    return torch.stack(head + tail).to(torch.float32)
+def kernel_grad(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A gradient as the kernels take it: detached, contiguous, in ``shape``; float64 cast to float32 (the step
+    computes in fp32 either way, algorithm.md §6.5). A copy only when one of those is needed."""
+    grad = grad.detach()
+    if grad.dtype == torch.float64:
+        grad = grad.to(torch.float32)
+    return grad.reshape(shape).contiguous()
 
 
 def lookup_table_as_float(lut: Tensor) -> Tensor:
@@ -385,3 +306,51 @@ def fused_momentum_(
         grad, codes, scale, scalars[0], codebook, lut, thresholds, steps=steps, lerp_high=lerp_high
     )
     out.copy_(m_hat)
+
+
+def fused_step_(
+    param: Tensor,
+    grad: Tensor,
+    view: ParamState,
+    scalars: Tensor,
+    tables: tuple[Tensor, Tensor, Tensor],
+    steps: int,
+    lerp_high: bool,
+) -> None:
+    """Apply one step of ``param`` in place: the block second moment's :func:`fused_block_step_`, or the factored
+    one's :func:`factored_roots_` then :func:`fused_factored_update_` (algorithm.md §6.2, §6.4).
+
+    Args:
+        param: the parameter (any shape, fp32/bf16/fp16; a non-contiguous one is stepped through a copy).
+        grad: its gradient, ``param``'s shape.
+        view: its state (codes (B, P) uint8, magnitudes and second moments fp32), updated in place.
+        scalars: the compiled row on the device (:meth:`gefen.kernels.scalars.StepScalars.compiled_row_on_device`).
+        tables: codebook (256,), bucket table and thresholds on the device (``Gefen._fused_tables``).
+        steps: the nearest-code table's compare steps; lerp_high: ``1 − β1 >= 0.5``.
+    """
+    blocks = tuple(view.codes.shape)
+    target = param.detach()
+    work = target if target.is_contiguous() else target.contiguous()
+    g = kernel_grad(grad, blocks)
+    if view.kind == "factored":
+        rows, cols = param.shape
+        roots = factored_roots_(
+            g.view(rows, cols), view.second_moment_row, view.second_moment_col, scalars, dense=cols % view.period != 0
+        )
+        fused_factored_update_(
+            work.view(blocks), g, view.codes, view.scale, roots, *tables, scalars, steps=steps, lerp_high=lerp_high
+        )
+    else:
+        fused_block_step_(
+            work.view(blocks),
+            g,
+            view.codes,
+            view.scale,
+            view.second_moment,
+            *tables,
+            scalars,
+            steps=steps,
+            lerp_high=lerp_high,
+        )
+    if work is not target:
+        target.copy_(work)
