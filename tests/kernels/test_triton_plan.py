@@ -222,6 +222,28 @@ def test_plan_matches_reference_and_native_over_steps(pdt, gdt) -> None:
             _copy_state(job, ref)
 
 
+def test_blocks_longer_than_a_tile_loop_over_tiles() -> None:
+    """Periods above the 2048-element tile (each block read in tiles, twice): block, factored and momentum, fp16 and
+    bf16 gradients, two checked steps against the reference and the native library."""
+    jobs = [_job("block", 2 * 4100, 4100, pdt=torch.bfloat16, gdt=torch.float16, seed=31),
+            _job("factored", 2 * 2500, 2500, (2, 2500), gdt=torch.bfloat16, seed=32),
+            _job("momentum", 2 * 2100, 2100, gdt=torch.float16, seed=33)]  # fmt: skip
+    refs, nats = [_clone(j) for j in jobs], [_clone(j) for j in jobs]
+    plan = build_plan(jobs, TABLE.codebook, TABLE.lut, TABLE.thresholds, TABLE.steps)
+    assert [launch.loop for launch in plan._launches] == [True]
+    for step in (1, 2):
+        before = [None if j.param is None else j.param.clone() for j in jobs]
+        assert plan.run(_groups(HYPER), check=True).tolist() == [1, 1, 1]
+        for i, (job, ref, nat) in enumerate(zip(jobs, refs, nats)):
+            _reference(ref, HYPER, step)
+            _check_close(job, ref, before[i], f"step {step} jobs[{i}] vs reference")
+            if NATIVE:
+                _native(nat, HYPER, step)
+                _check_close(job, nat, before[i], f"step {step} jobs[{i}] vs native")
+                _copy_state(nat, job)
+            _copy_state(ref, job)
+
+
 def _copy_state(dst: TritonJob, src: TritonJob) -> None:
     for a, b in zip(_state(dst), _state(src)):
         a.copy_(b)
@@ -415,7 +437,7 @@ def test_run_reads_nothing_back_to_the_host() -> None:
 
 
 def test_step_constants_are_computed_on_the_device_as_on_the_host() -> None:
-    """The finalize kernel's fp32 constants against the float64 formulas of native._step_constants, t = 1..12."""
+    """The finalize kernel's fp32 constants against the float64 formulas of gefen.kernels.scalars.derive, t = 1..12."""
     job = _job("factored", 60, 12, (6, 10), seed=1)
     plan = build_plan([job], TABLE.codebook, TABLE.lut, TABLE.thresholds, TABLE.steps)
     hyper = dict(HYPER, beta1=0.95, beta2=0.9999, lr=3e-4)

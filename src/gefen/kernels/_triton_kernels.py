@@ -11,7 +11,7 @@ the number of parameters (the update phase is one launch per *period class*):
    :func:`gefen.amp.usable_bound`), writes that to ``chunk_ok`` and, when not, raises the integer ``bad`` to this
    run's tag ``seq + 1`` (an integer ``atomic_max``: deterministic).
 2. :func:`finalize_kernel`: one program per job. Per-step constants from the group row and the job's step counter
-   (float64, rounded to fp32 once, as ``gefen.kernels.native._step_constants`` on the host), the job's usable flag
+   (float64, rounded to fp32 once, as ``gefen.kernels.scalars.derive`` on the host), the job's usable flag
    (all its items), the global decision ``applied = (bad != seq + 1)``, the factored second moments (column sums
    over the item slots in order, the row sums over the column tiles in order) and their step-size roots, and the
    counter increment. State is written only when applied.
@@ -313,7 +313,7 @@ def finalize_kernel(
     t = tl.full((), 1, tl.int64)
     if counter_addr != 0:
         t = tl.load(counter) + 1
-    # per-step constants: float64 as gefen.kernels.native._step_constants, each rounded to fp32 once
+    # per-step constants: float64 as gefen.kernels.scalars.derive, each rounded to fp32 once
     bc1 = 1.0 - pow_int(beta1, t)
     bc2 = 1.0 - pow_int(beta2, t)
     w = (1.0 - beta1).to(tl.float32)

@@ -10,10 +10,12 @@ usable flags as a device tensor.
 Semantics: those of :func:`gefen.kernels.eager.reference_step` and the native library
 (:mod:`gefen.kernels.native`): codes and magnitudes bit-identical; second moments from float64 sums of the fp32
 squares, each mean rounded once (the block mean may differ from the reference's fp32 sum by a few ulps, the factored
-moments equal the native library's up to float64 ties); parameters written once, round to nearest even. The per-step
+moments equal the native library's up to float64 ties); the block step size multiplies ``sqrt(v)`` by the fp32
+reciprocal of ``sqrt(bc2)`` as the native library and torch on CUDA do (torch 2.13's CPU eager reference divides, one
+rounding apart); parameters written once, ``fma(d, step, p·decay)``, round to nearest even. The per-step
 constants are computed on the device in float64 from the group table and the job's step counter, as
-``gefen.kernels.native._step_constants`` does on the host, and rounded to fp32 once; ``beta ** t`` is an exact-product
-binary exponentiation (:func:`gefen.kernels._triton_kernels.pow_int`, within one float64 ulp of Python's).
+``gefen.kernels.scalars.derive`` does on the host, and rounded to fp32 once; ``beta ** t`` is an exact-product
+binary exponentiation (:func:`gefen.kernels._triton_kernels.pow_int`, within 2 float64 ulps of Python's, measured).
 
 This module owns the plan; choosing the backend, the optimizer state and the param groups are the caller's.
 """
