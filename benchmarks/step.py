@@ -16,9 +16,10 @@ Prints one JSON object::
      "nonfinite_check_fraction_of_gefen_step": float, "nonfinite_check_eager_s": float}
 
 ``NAME`` is ``adamw_fused``, ``adamw_foreach``, ``gefen`` (the default ``backend="auto"``: the native kernels on
-the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, the same
-``adamw_fused`` and ``gefen`` rows again with one thread (``*_1_thread``), and on the 2-D hidden weights only (the
-Muon half of a hybrid; their rows carry ``params`` and bytes/param over those) ``torch_muon`` and ``gefen_muon``.
+the CPU), ``gefen_native``, ``gefen_compiled`` (``torch.compile``\ d kernels), ``gefen_eager``, ``gefen_triton``
+(CUDA: the hand-written Triton kernels), the same ``adamw_fused`` and ``gefen`` rows again with one thread
+(``*_1_thread``), and on the 2-D hidden weights only (the Muon half of a hybrid; their rows carry ``params`` and
+bytes/param over those) ``torch_muon`` and ``gefen_muon``.
 On a CPU without bf16 matrix instructions (no AVX-512 BF16 or AMX) ``torch_muon``'s Newton–Schulz runs as fp32
 GEMMs of the bf16 operands, as in ``gefen demo`` (``gefen.cli._optimizers.torch_muon_gemms_in_fp32``: the same
 values up to fp32 summation order; on a Zen 1 machine torch's own scalar bf16 fallback took 2.0 s per 512 x 512
@@ -58,6 +59,7 @@ Usage: ``python benchmarks/step.py [--size 25m] [--steps 20] [--device cpu]``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -345,6 +347,7 @@ def main() -> None:
         "gefen_native": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="native"), n_params),
         "gefen_compiled": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="compiled"), n_params),
         "gefen_eager": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="eager"), n_params),
+        "gefen_triton": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1, backend="triton"), n_params),
         "adamw_fused_1_thread": (lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True), n_params),
         "gefen_1_thread": (lambda: gefen.Gefen(named, lr=1e-3, weight_decay=0.1), n_params),
         "torch_muon": (lambda: torch.optim.Muon([p for _, p in hidden], lr=1e-3, weight_decay=0.1), n_hidden),
@@ -352,6 +355,8 @@ def main() -> None:
     }
     if args.skip_compiled or device.type not in ("cpu", "cuda"):
         del factories["gefen_compiled"]
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:  # the Triton backend runs on CUDA
+        del factories["gefen_triton"]
     torch_muon_fp32 = False
     if args.skip_muon:
         del factories["torch_muon"], factories["gefen_muon"]
@@ -433,6 +438,7 @@ def main() -> None:
                 "ratio_gefen_native_vs_adamw_fused": ratio("gefen_native"),
                 "ratio_gefen_compiled_vs_adamw_fused": ratio("gefen_compiled"),
                 "ratio_gefen_eager_vs_adamw_fused": ratio("gefen_eager"),
+                "ratio_gefen_triton_vs_adamw_fused": ratio("gefen_triton"),
                 "ratio_gefen_vs_adamw_fused_1_thread": pairs["_1_thread"]["ratio"],
                 "ratio_gefen_first_step_vs_step": first_pairs["ratio"],
                 "first_step_pairs": first_pairs,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a lent GPU machine (whose python3 already has torch with CUDA, pytest and
-# hypothesis): the CUDA tests, then the rest of the suite with the GPU visible (all but the Hugging Face
-# integration tests, see below),
+# hypothesis): the CUDA tests (the Triton backend against the CPU native one among them), then the rest of the suite
+# with the GPU visible (all but the Hugging Face integration tests, see below; the Triton interpreter tests in a
+# process of their own),
 # failing on any skipped test (CUDA or not), then
 # benchmarks/step.py on CUDA with the ~125M-parameter GPT-shaped set. Logs and JSON go to $OUT (default
 # /tmp/gpu_check). Exits non-zero on any failure.
@@ -22,8 +23,15 @@ python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py 2>&1 | tee "$o
 parallel=()
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) > 16 ? 16 : $(nproc) ))" -p no:benchmark)
 python3 -m pytest -q -p no:cacheprovider -rfEs "${parallel[@]}" tests src/gefen --ignore=tests/test_cuda.py \
-  --ignore=tests/integrations --ignore=src/gefen/integrations 2>&1 | tee "$out/pytest.log"
+  --ignore=tests/integrations --ignore=src/gefen/integrations --ignore=tests/kernels/test_triton_plan.py \
+  --ignore=tests/optim/test_triton_backend.py 2>&1 | tee "$out/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# the Triton kernels under Triton's interpreter (CPU tensors), as in CI: a process of their own, since the
+# interpreter is chosen when triton is first imported and the CUDA tests above compiled the kernels for the GPU
+TRITON_INTERPRET=1 python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_triton_plan.py \
+  tests/optim/test_triton_backend.py 2>&1 | tee "$out/pytest_triton_interpreter.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cat "$out/pytest_triton_interpreter.log" >> "$out/pytest.log"
 cat "$out/pytest_cuda.log" >> "$out/pytest.log"
 skipped=$(grep -E "^SKIPPED \[[0-9]+\]" "$out/pytest.log" | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{n += $1} END {print n + 0}')
 echo "gpu_check: $skipped skipped tests"

@@ -278,3 +278,80 @@ def test_cuda_capturable_lr_on_the_cpu_is_refused():
     with pytest.raises(gefen.ConfigError, match="lr'\\] is on cpu"):
         opt.step()
     assert opt.codebook is None and len(opt.state) == 0
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton_step_matches_the_cpu_native_step(dtype):
+    """The Triton kernels on the GPU against the native library on the CPU: codes and magnitudes bit-identical,
+    second moments within 4 ulp, parameters within 2 ulp plus 1e-5 of the update (GPU div/sqrt numerics, FTZ and
+    the fp64 power are what the CPU interpreter tests cannot show)."""
+    assert _triton_available(), "triton is part of torch's CUDA wheels"
+    cpu, cuda = _params("cpu", dtype), _params("cuda", dtype)
+    start = [p.detach().float().clone() for p in cpu]
+    opt_cpu = gefen.Gefen(cpu, lr=1e-2, weight_decay=0.1, backend="native")
+    opt_cuda = gefen.Gefen(cuda, lr=1e-2, weight_decay=0.1, backend="triton")
+    for s in range(4):
+        grads = [g.to(dtype) for g in _grads(cpu, s)]
+        grads[0][0, :7] = 0.0  # a zero run, and denormal / threshold-sized values below
+        grads[1][1, :4] = torch.tensor([1e-40, -1e-39, 2.0**-126, -(2.0**-127)]).to(dtype)
+        for p_cpu, p_cuda, g in zip(cpu, cuda, grads):
+            p_cpu.grad, p_cuda.grad = g.clone(), g.cuda()
+        opt_cpu.step()
+        opt_cuda.step()
+    for p_cpu, p_cuda, p0 in zip(cpu, cuda, start):
+        a, b = opt_cpu.state[p_cpu], opt_cuda.state[p_cuda]
+        assert torch.equal(a[FIRST_MOMENT_CODES], b[FIRST_MOMENT_CODES].cpu())
+        assert torch.equal(a["first_moment_scale"], b["first_moment_scale"].cpu())
+        for key in ("second_moment", "second_moment_row", "second_moment_col"):
+            if key in a:
+                torch.testing.assert_close(b[key].cpu(), a[key], rtol=4 * 2**-23, atol=0)
+        x, y = p_cpu.detach().float(), p_cuda.detach().float().cpu()
+        bound = 2 * torch.finfo(dtype).eps * x.abs() + 1e-5 * (x - p0).abs()
+        assert bool(((x - y).abs() <= bound).all())
+
+
+def test_cuda_triton_steady_skip_step_does_not_synchronise_and_nan_changes_nothing():
+    """Under the default ``nonfinite="skip"`` a steady Triton step decides on the device: no host sync while it
+    runs (``set_sync_debug_mode("error")``); a NaN step then changes nothing and is counted when the host looks."""
+    params = _params("cuda")
+    opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1, backend="triton")
+    grads = [[g.cuda() for g in _grads(params, s)] for s in range(4)]
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()
+    for p, g in zip(params, grads[1]):
+        p.grad.copy_(g)
+    opt.step()  # the plan is built
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in params]
+    grads[2][1][5, 5] = float("nan")
+    for p, g in zip(params, grads[2]):
+        p.grad.copy_(g)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.warns(UserWarning, match="NaN|Inf|skip"):
+        assert opt.skipped_steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(int(opt.state[p]["step"]) == 2 for p in params)
+
+
+def test_cuda_triton_backend_benchmark_row_runs():
+    """benchmarks/step.py's gefen_triton factory: the 25m set steps on the Triton backend (its ratio is in JSON)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3, backend="triton")
+    for _ in range(3):
+        model(torch.randn(32, 256, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.global_step == 3 and opt.state_bytes() / sum(p.numel() for p in model.parameters()) < 1.1

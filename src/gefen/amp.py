@@ -33,7 +33,6 @@ __all__ = [
     "wants_native_amp",
     "read_amp_controls",
     "unscale_grads_",
-    "first_nonfinite",
     "unusable_names",
     "nonfinite_error",
     "policy_name",
@@ -181,19 +180,13 @@ def unusable_names(named_grads: Sequence[tuple[str, Tensor]]) -> list[str]:
     return [named_grads[i][0] for i in sorted(bad)]
 
 
-def first_nonfinite(named_grads: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Name of the first gradient :func:`unusable_names` lists, or ``None``."""
-    bad = unusable_names(named_grads)
-    return bad[0] if bad else None
-
-
 def policy_name(deterministic: bool) -> str:
     """How a message names the policy that refuses every unusable gradient."""
     return "deterministic=True" if deterministic else "nonfinite='raise'"
 
 
 def nonfinite_error(kind: str, name: str, policy: str | None) -> StepError:
-    """The error for an unusable gradient (see :func:`first_nonfinite`).
+    """The error for an unusable gradient (see :func:`unusable_names`).
 
     Args:
         kind: the optimizer's class name.

@@ -215,8 +215,11 @@ def check_group(
         check_bool(group["factored_v_2d"], f"{where}['factored_v_2d']", error)
     if "fused" in group and group["fused"] is not None:
         check_bool(group["fused"], f"{where}['fused']", error)
-    if "backend" in group and group["backend"] not in ("auto", "native", "compiled", "eager"):
-        raise error(f"{where}['backend'] = {group['backend']!r} is not one of 'auto', 'native', 'compiled', 'eager'.")
+    if "backend" in group:
+        from gefen.kernels.backends import BACKENDS  # the registry (imported here: it imports this module)
+
+        if group["backend"] not in BACKENDS:
+            raise error(f"{where}['backend'] = {group['backend']!r} is not one of {', '.join(map(repr, BACKENDS))}.")
 
 
 #: ``torch.optim.AdamW`` keyword arguments and the value that means "off"; Gefen accepts only that value.

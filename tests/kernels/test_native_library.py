@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import gefen
 from gefen.kernels import native
+from gefen.kernels.eager import reference_step
 from gefen.kernels.first_step import accumulate_histogram_, fit_codebook
-from gefen.kernels.reference import reference_step
 from gefen.kernels.scalars import StepScalars
 from gefen.math.codebook import HISTOGRAM_BINS
 from gefen.math.lookup import build_nearest_table

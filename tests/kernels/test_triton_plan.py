@@ -17,78 +17,34 @@ rounds twice (``x*y+z`` in numpy); the ``exact_fma`` fixture replaces it by a ro
 
 from __future__ import annotations
 
-import importlib
-import os
-
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels below are decorated as interpreted
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 triton = pytest.importorskip("triton")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from gefen.amp import usable_bound  # noqa: E402
 from gefen.kernels import _triton_kernels as kernels  # noqa: E402
 from gefen.kernels import native  # noqa: E402
+from gefen.kernels.eager import reference_step  # noqa: E402
 from gefen.kernels.triton_plan import GROUP_FIELDS, TritonJob, build_plan  # noqa: E402
 from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook  # noqa: E402
 from gefen.math.lookup import build_nearest_table  # noqa: E402
-
-try:
-    from gefen.kernels.eager import reference_step
-except ImportError:  # the eager reference's module before its rename (gefen.kernels.reference -> .eager)
-    from gefen.kernels.reference import reference_step
-
-if not isinstance(kernels.update_kernel, interpreter.InterpretedFunction):  # imported earlier, compiled: re-decorate
-    importlib.reload(kernels)
-
-NATIVE = native.native_status().available
-HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "lr": 1e-2, "weight_decay": 0.1}
+from tests.triton_interpreter import fma32 as _fma32  # noqa: E402
+from tests.triton_interpreter import interpreted_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _restore_environment():
-    """After this module: TRITON_INTERPRET as before, and the kernels decorated for that setting again (so that a
-    later GPU test in the same session launches compiled kernels)."""
-    yield
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-    importlib.reload(kernels)
+def _interpreter():
+    """Every test here runs the kernels in Triton's interpreter with a round-once fma (tests/triton_interpreter.py)."""
+    with interpreted_kernels():
+        yield
 
 
-def _fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """fp32 ``x·y + z`` rounded once: the product is exact in float64 (24 + 24 bits); the float64 sum's error ``e``
-    comes from TwoSum; rounding that sum to odd (when ``e != 0`` and its last bit is even, step one float64 ulp
-    towards ``e``) and then to fp32 gives the correctly rounded result (53 >= 24 + 2 bits: no double rounding)."""
-    with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN operands: e is NaN, no nudge
-        p = x.astype(np.float64) * y.astype(np.float64)
-        z64 = z.astype(np.float64)
-        s = p + z64
-        b = s - p
-        e = (p - (s - b)) + (z64 - b)
-    nudge = np.isfinite(s) & (e != 0) & ((s.view(np.int64) & 1) == 0)
-    return np.where(nudge, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s).astype(np.float32)
-
-
-@pytest.fixture(autouse=True)
-def exact_fma(monkeypatch):
-    """Triton 3.7.1's interpreter computes ``tl.fma`` as ``x * y + z`` in numpy (two roundings,
-    ``InterpreterBuilder.create_fma`` in triton/runtime/interpreter.py); the GPU's fma rounds once. Patch fp32."""
-    original = interpreter.InterpreterBuilder.create_fma
-
-    def create_fma(self, x, y, z):
-        if z.data.dtype == np.float32:
-            return interpreter.TensorHandle(_fma32(x.data, y.data, z.data), z.dtype.scalar)
-        return original(self, x, y, z)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
+NATIVE = native.native_status().available
+HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "lr": 1e-2, "weight_decay": 0.1}
 
 
 def test_exact_fma_rounds_once() -> None:

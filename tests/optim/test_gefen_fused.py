@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gefen
+import gefen.kernels.backends
 import gefen.kernels.compiled
 from gefen.errors import ConfigError, StepError
 from gefen.kernels.compiled import FUSED_ENV, KernelSignature
@@ -187,7 +188,7 @@ def test_fused_none_compile_failure_warns_once_and_runs_eager(monkeypatch: pytes
     """``backend="auto"`` chooses the compiled step on CUDA; a compile failure there warns once and runs eagerly.
     (On the CPU auto chooses the native backend, so the CUDA choice is simulated here.)"""
     monkeypatch.setattr(gefen.kernels.compiled.torch, "compile", _failing_compile)
-    monkeypatch.setattr(gefen.optim.gefen, "auto_backend", lambda param, grad_dtype, default: ("compiled", ""))
+    monkeypatch.setitem(gefen.kernels.backends.AUTO_ORDER, "cpu", ("compiled",))
     monkeypatch.setenv(FUSED_ENV, "1")
     p = torch.nn.Parameter(torch.randn(48, 64))
     q = torch.nn.Parameter(p.detach().clone())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import time
 import types
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gefen.errors import ConfigError
+from gefen.kernels.backends import FUSED_ENV, fused_by_default
 from gefen.kernels.fused import (
     factored_roots_,
     fused_block_step_,
@@ -33,7 +32,7 @@ from gefen.kernels.fused import (
     fused_momentum_,
     kernel_grad,
 )
-from gefen.kernels.scalars import COMPILED_LAYOUT, as_float32, lerp_high
+from gefen.kernels.scalars import APPLY, COMPILED_LAYOUT, as_float32, lerp_high
 
 __all__ = [
     "KernelSignature",
@@ -72,23 +71,6 @@ UPDATE_OPTIONS: dict[str, object] = {
 
 #: Recompilations allowed per kernel when global state changes between steps (see :meth:`StepKernels.run`).
 RECOMPILE_LIMIT = 64
-
-#: Environment variable that sets what ``fused=None`` means: ``"1"`` (default) compiled where it works, ``"0"``
-#: always eager (e.g. short test runs where compile time would dominate). ``fused=True/False`` ignore it.
-FUSED_ENV = "GEFEN_FUSED"
-
-
-def fused_by_default() -> bool:
-    """What ``fused=None`` resolves to: the :data:`FUSED_ENV` setting (``"1"`` unless set to ``"0"``).
-
-    Raises:
-        ConfigError: the variable holds anything but ``"0"`` or ``"1"``.
-    """
-    value = os.environ.get(FUSED_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ConfigError(f"environment variable {FUSED_ENV}={value!r} must be '0' (eager) or '1' (compiled).")
-    return value == "1"
-
 
 def constants_on(device: torch.device, rows: list[list[float]]) -> Tensor:
     """Per-step kernel constants as one fp32 tensor on ``device``, without a host synchronisation.
@@ -256,8 +238,11 @@ class StepKernels:
                 (the next :meth:`prepare` of it raises) and the caller falls back to the eager path.
         """
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            if torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT:  # the caller patched it for all its calls
                 self._kernels[signature](*args)
+            else:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    self._kernels[signature](*args)
         except Exception as exc:
             self.failures[signature] = f"{type(exc).__name__}: {exc}"
             raise
@@ -327,3 +312,185 @@ def _scratch_arguments(
     else:
         second = [zeros((shape[0],), torch.float32), zeros((shape[1],), torch.float32)]
     return head + moment + second + list(tables) + [scalars]
+
+
+class CompiledBackend:
+    """The compiled backend: one ``torch.compile``\\ d kernel per :class:`KernelSignature` (inductor C++ on CPU,
+    Triton on CUDA), compiled in :meth:`prepare` on scratch tensors before any state changes; per-step constants of
+    every parameter go to each device in one copy. It can decide ``nonfinite="skip"`` on the device
+    (``check="device"``): the apply entry of the constants masks every write, no host read."""
+
+    name = "compiled"
+    checks = "device"
+
+    def __init__(self) -> None:
+        self.kernels = StepKernels()
+        self._signatures: dict[int, KernelSignature] = {}  # id(job) -> its prepared signature, for run()
+        self._tables: dict[torch.device, tuple[Any, tuple[Tensor, Tensor, Tensor]]] = {}
+        self._warned = False
+
+    def available(self) -> str:
+        return "" if compile_supported() else "torch.compile is unavailable or disabled here"
+
+    def supports(self, param: Tensor, grad_dtype: torch.dtype, sharded: bool) -> str:
+        if not compile_supported():
+            return self.available()
+        if sharded:
+            return "the parameter is sharded (the compiled step runs on plain tensors)"
+        if param.dtype not in COMPILED_DTYPES or param.device.type not in ("cpu", "cuda"):
+            return f"the parameter is {param.dtype} on {param.device.type}"
+        return ""
+
+    def tables(self, context: Any, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(codebook, lut as fp32, thresholds)`` of the step's codebook on ``device`` (built once per table)."""
+        from gefen.kernels.fused import lookup_table_as_float
+
+        table = context.table(device)
+        entry = self._tables.get(device)
+        if entry is None or entry[0] is not table:
+            entry = (table, (table.codebook, lookup_table_as_float(table.lut), table.thresholds))
+            self._tables[device] = entry
+        return entry[1]
+
+    def signature(self, job: Any, context: Any) -> KernelSignature:
+        """The kernel signature of a job (its kind, block view, dtypes, device, table and lerp branch)."""
+        kind = job.kind
+        numel, period = job.param.numel(), job.period
+        shape = tuple(job.param.shape) if kind == "factored" else (numel // period, period)
+        grad_dtype = torch.float32 if job.grad.dtype == torch.float64 else job.grad.dtype  # cast in run()
+        return KernelSignature(
+            kind,
+            shape,
+            period,
+            job.param.dtype,
+            grad_dtype,
+            job.param.device.type,
+            context.table(job.param.device).steps,
+            lerp_high(1.0 - job.scalars.beta1),
+            context.deterministic,
+        )
+
+    def prepare(self, jobs: list[Any], context: Any) -> list[Any]:
+        """Compile every new signature; refuse (``StepError``, nothing changed) or leave to the eager backend (one
+        warning) a job whose kernel cannot be built, as the user asked (strict: ``backend="compiled"``/``fused=True``).
+        """
+        from gefen.errors import StepError
+
+        if any(context.strict(job, self.name) for job in jobs) and not compile_supported():
+            raise StepError(
+                f"{context.kind}(fused=True): torch.compile is unavailable or disabled here (TORCH_COMPILE_DISABLE "
+                "or torch._dynamo.config.disable). Nothing was changed; pass fused=None or fused=False."
+            )
+        left = []
+        for job in jobs:
+            strict = context.strict(job, self.name)
+            signature = self.signature(job, context)
+            if not signature.eligible() or not compile_supported():
+                if strict:
+                    raise StepError(
+                        f"{context.kind}(fused=True): {job.name} is {job.param.dtype} on {job.param.device.type}, "
+                        "which the compiled step does not support (float32/bfloat16/float16 on CPU or CUDA). "
+                        "Nothing was changed; put it in a param group with fused=None or fused=False."
+                    )
+                left.append(job)
+                continue
+            try:
+                self.kernels.prepare(signature, job.param.device, self.tables(context, job.param.device))
+            except Exception as exc:
+                if strict:
+                    raise StepError(
+                        f"{context.kind}(fused=True): compiling the step of {job.name} {signature} failed: "
+                        f"{type(exc).__name__}: {exc}. Nothing was changed; pass fused=None to fall back "
+                        "to the eager path, or fix the torch.compile toolchain (a C++ compiler on CPU)."
+                    ) from exc
+                if not self._warned:
+                    self._warned = True
+                    from gefen._warnings import warn_user
+
+                    warn_user(
+                        f"{context.kind}: torch.compile could not build the fused step ({type(exc).__name__}: "
+                        f"{exc}); using the eager step for the affected parameters (same results, slower)."
+                    )
+                left.append(job)
+                continue
+            self._signatures[id(job)] = signature
+        return left
+
+    def run(self, jobs: list[Any], context: Any, check: str = "") -> Any:
+        """Run the prepared kernels. ``check="device"`` (one device): the apply entry of every constants row is
+        ``all(usable(grad))``, computed on the device; the counters move when the returned
+        :class:`gefen.nonfinite.PendingCheck` is settled.
+
+        A kernel that fails here (dynamo recompiles when a guard on global state fails, and that can fail) marks
+        its signature failed, warns once, and returns that job and every later one as ``left`` for the eager
+        backend, so the step is still applied whole; a strict group then refuses the next step before any change.
+        """
+        from gefen.amp import usable_flags
+        from gefen.kernels.backends import StepOutcome
+        from gefen.nonfinite import PendingCheck
+        from gefen.state import STEP
+
+        signatures = [self._signatures.pop(id(job)) for job in jobs]
+        rows: dict[torch.device, list[list[float]]] = {}
+        for job, signature in zip(jobs, signatures):
+            step = int(job.state[STEP]) + 1
+            rows.setdefault(job.param.device, []).append(job.scalars.compiled_row(step, signature.kind == "factored"))
+        constants = {device: constants_on(device, r) for device, r in rows.items()}
+        outcome = StepOutcome()
+        if check == "device":
+            flags = usable_flags([job.grad for job in jobs])
+            for table in constants.values():
+                table[:, APPLY] = flags.all().to(table.dtype)  # on the device: no host read
+            outcome.pending = PendingCheck.of(flags, [job.name for job in jobs], [job.state[STEP] for job in jobs])
+        scalars = {device: iter(table) for device, table in constants.items()}
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return self._run_kernels(jobs, signatures, scalars, context, outcome)
+
+    def _run_kernels(self, jobs: list[Any], signatures: list[KernelSignature], scalars: dict, context: Any,
+                     outcome: Any) -> Any:  # fmt: skip
+        """The kernel calls of :meth:`run` (under one ``recompile_limit`` patch for all of them, not one per call)."""
+        from gefen._warnings import warn_user
+        from gefen.state import STEP
+
+        for position, (job, signature) in enumerate(zip(jobs, signatures)):
+            device = job.param.device
+            param = job.param.detach()  # plain contiguous tensors: the graphs were compiled for them
+            work = param if param.is_contiguous() else param.contiguous()
+            grad = kernel_grad(job.grad, signature.shape)
+            state = job.state
+            if signature.kind == "momentum":
+                job.out = torch.empty(signature.shape, dtype=torch.float32, device=device)
+                second: tuple[Tensor, ...] = (job.out,)
+            elif signature.kind == "factored":
+                second = (state["second_moment_row"], state["second_moment_col"])
+            else:
+                second = (state["second_moment"],)
+            row = next(scalars[device])
+            try:
+                self.kernels.run(
+                    signature,
+                    work.view(signature.shape),
+                    grad,
+                    state["first_moment_codes"],
+                    state["first_moment_scale"],
+                    *second,
+                    *self.tables(context, device),
+                    row,
+                )
+            except Exception as exc:  # recorded in self.kernels.failures by run()
+                warn_user(
+                    f"{context.kind}: the compiled step of {job.name} failed inside step() ({type(exc).__name__}: "
+                    f"{exc}); this step was completed on the eager path for it and the parameters after it (same "
+                    "math). fused=None keeps using the eager path for this signature; fused=True refuses the next "
+                    "step."
+                )
+                if outcome.pending is not None:  # the eager backend advances the counters of the rest itself
+                    del outcome.pending.counters[position:]
+                job.out = None
+                outcome.left = jobs[position:]
+                return outcome
+            if work is not param:
+                param.copy_(work)
+            if outcome.pending is None:
+                state[STEP].add_(1)
+        return outcome

@@ -16,7 +16,7 @@ the process's memory map and opened with ``RTLD_NOLOAD``, so a second runtime is
 ``torch.get_num_threads()`` threads. The work is split into tasks of a fixed size, each block computed by one task,
 so results are bit-identical for every thread count. Where no OpenMP runtime is found the loops run serially.
 
-Rounding rules: those of the eager reference (:mod:`gefen.kernels.reference`); codes and magnitudes are
+Rounding rules: those of the eager reference (:mod:`gefen.kernels.eager`); codes and magnitudes are
 bit-identical to it, second moments differ by the summation order of the block/row/column sums (a few ulps).
 
 Environment: ``GEFEN_NATIVE_LIB`` names another build of the library (the AddressSanitizer test uses it);
@@ -452,7 +452,7 @@ def native_step(
         ValueError: an argument that does not fit the others (size, dtype, device, layout); nothing was changed.
         RuntimeError: the library is unavailable or rejected the arguments (nothing was changed then).
 
-    Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.reference`.
+    Source: algorithm.md §6.2, §6.4, §7.1; rounding as :mod:`gefen.kernels.eager`.
     """
     _require()
     tensors = {

@@ -6,7 +6,7 @@ either on the host (Python floats, float64) or on a device (float64 tensors, for
 serialises the same record into its own form: the native library's C record (:meth:`StepScalars.native_fields`),
 the compiled kernels' fp32 row (:meth:`StepScalars.compiled_row`, layout :data:`COMPILED_LAYOUT`), a device tensor.
 
-Rounding (the eager reference's, :mod:`gefen.kernels.reference`): every constant is computed in float64 from the
+Rounding (the eager reference's, :mod:`gefen.kernels.eager`): every constant is computed in float64 from the
 Python floats of the group, as torch computes its Python scalars, and rounded to fp32 once where it is stored.
 
 Source: algorithm.md §6.2 steps 2–4, §6.4 steps 3–5, §7.1 step 2.

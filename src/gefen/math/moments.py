@@ -25,7 +25,6 @@ from gefen.math.lookup import NearestCodeTable, gather, nearest_code_fast
 __all__ = [
     "sharded_factored_second_moment_",
     "FLOAT32_TINY",
-    "as_blocks",
     "bias_correction",
     "block_second_moment_",
     "factored_second_moment_",
@@ -39,21 +38,6 @@ __all__ = [
 
 #: Smallest normal fp32 value; floor of the factored normaliser (algorithm.md §6.4 step 4).
 FLOAT32_TINY = 1.1754943508222875e-38
-
-
-def as_blocks(t: Tensor, period: int) -> Tensor:
-    """The ``(B, P)`` block view of ``t`` flattened in row-major order.
-
-    Args:
-        t: any shape, ``t.numel() % period == 0``.
-        period: block length ``P >= 1``.
-
-    Returns:
-        ``(t.numel() // period, period)`` view (a copy only when ``t`` is not contiguous), same dtype.
-
-    Source: algorithm.md §0 (block view).
-    """
-    return t.reshape(t.numel() // period, period)
 
 
 def bias_correction(beta: float, step: int) -> float:

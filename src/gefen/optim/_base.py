@@ -30,8 +30,7 @@ from gefen.amp import (
 from gefen.checkpoint import LIVE_GROUP_CARRIERS, StagedLoad, attach_metadata, build_metadata, stage_load
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
-from gefen.kernels import group_backend, resolve_backend_option
-from gefen.kernels.compiled import StepKernels, fused_by_default
+from gefen.kernels.backends import Backends, fused_by_default, group_backend, resolve_backend_option
 from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
@@ -241,7 +240,7 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     def _init_runtime(self) -> None:
         """Per-process caches that are never pickled or checkpointed (compiled kernels, pending codebook)."""
-        self._kernels = StepKernels()
+        self._backends = Backends()  # this optimizer's backend instances (compiled kernels, device plans)
         self._shards: dict[int, RowShard | None] = {}
         self._pending_codebook: Tensor | None = None
         self._warned_fallback = False
@@ -270,7 +269,13 @@ class GefenOptimizer(torch.optim.Optimizer):
     @property
     def compile_time_s(self) -> float:
         """Seconds spent compiling fused step kernels in this process (``0.0`` on the eager path)."""
-        return self._kernels.compile_time_s
+        compiled = self._backends.loaded("compiled")
+        return compiled.kernels.compile_time_s if compiled is not None else 0.0
+
+    @property
+    def _kernels(self) -> Any:
+        """The compiled backend's kernel cache (:class:`gefen.kernels.compiled.StepKernels`)."""
+        return self._backends.get("compiled").kernels
 
     # ------------------------------------------------------------------ construction / param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,47 +9,26 @@ import torch
 from torch import Tensor
 
 from gefen._warnings import warn_user
-from gefen.amp import unusable_names, usable_flags
+from gefen.amp import unusable_names
 from gefen.checkpoint import StagedLoad
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float
-from gefen.kernels import auto_backend, group_backend, native_status, native_supports
-from gefen.kernels.compiled import (
-    COMPILED_DTYPES,
-    KernelSignature,
-    as_float32,
-    compile_supported,
-    constants_on,
-    fused_by_default,
-    host_only,
-    kernel_grad,
-    lerp_high,
-)
+from gefen.kernels.backends import StepContext, StepJob, group_backend
+from gefen.kernels.compiled import host_only
 from gefen.kernels.fused import fused_step_, lookup_table_as_float
-from gefen.kernels.scalars import APPLY, StepScalars
+from gefen.kernels.native import native_status
+from gefen.kernels.scalars import StepScalars, lerp_high
 from gefen.math.codebook import (
     zero_code_index,
 )
 from gefen.math.lookup import NearestCodeTable, build_nearest_table
 from gefen.math.moments import (
     apply_update_,
-    bias_correction,
-    block_second_moment_,
-    block_step_size,
-    factored_denominator,
-    factored_root_parts,
-    factored_second_moment_,
-    sharded_factored_second_moment_,
-    update_quantized_moment,
 )
-from gefen.nonfinite import PendingCheck
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
 from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
-from gefen.optim._native import run_native_jobs
 from gefen.sharding import (
-    all_reduce_,
-    collective_device,
     init_sharded_state,
     local_state,
 )
@@ -128,7 +106,11 @@ class Gefen(GefenOptimizer):
             kernels (``ConfigError`` at construction where they cannot run). ``"compiled"``: one
             ``torch.compile``\ d kernel per parameter signature (inductor C++ on CPU / Triton on CUDA; compile time
             once per signature, reported by :attr:`compile_time_s`; ``StepError`` before any change if a kernel fails
-            to compile). ``"eager"``: the torch reference (:mod:`gefen.kernels.reference`). Per param group too.
+            to compile). ``"triton"``: hand-written multi-tensor Triton kernels on CUDA
+            (:mod:`gefen.kernels.triton_step`; one device plan reused while the same tensors step, the
+            ``nonfinite="skip"`` decision on the device; opt-in until checked on a GPU). ``"eager"``: the torch
+            reference (:mod:`gefen.kernels.eager`). Per param group too; the choice is made in one place,
+            :class:`gefen.kernels.backends.Backends`.
         fused: deprecated alias of ``backend``: ``True`` is ``"compiled"``, ``False`` is ``"eager"``, ``None`` leaves
             ``backend`` as given; a value that contradicts an explicit ``backend`` is refused (``ConfigError``).
         deterministic: bit-identical results for identical inputs on the same hardware and thread count,
@@ -232,31 +214,33 @@ class Gefen(GefenOptimizer):
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         backend = group_backend(group)
-        if backend == "auto" and any(tensor.device.type == "cpu" for tensor in tensors):
-            native_status()  # load the native library now (~1 ms, once per process), not inside the first step
-        if backend == "native":
-            for i, tensor in enumerate(tensors):
-                reason = native_supports(tensor, tensor.dtype)
-                if reason:
-                    raise ConfigError(
-                        f"{where}['params'][{i}]: backend='native' cannot step it: {reason}. Pass backend='auto' "
-                        "(native where it can, eager elsewhere) or backend='eager'."
-                    )
+        if backend == "auto":
+            if any(tensor.device.type == "cpu" for tensor in tensors):
+                native_status()  # load the native library now (~1 ms, once per process), not inside the first step
             return
-        if backend != "compiled":
+        if backend == "eager":
             return
-        if not compile_supported():
+        chosen = self._backends.get(backend)
+        unavailable = chosen.available()
+        if backend == "compiled" and unavailable:
             raise ConfigError(
                 f"{where}: fused=True needs torch.compile, which is not supported on this Python/platform; "
                 "pass fused=None (use it where available) or fused=False."
             )
         for i, tensor in enumerate(tensors):
-            if tensor.dtype not in COMPILED_DTYPES or tensor.device.type not in ("cpu", "cuda"):
+            reason = chosen.supports(tensor, tensor.dtype, False)
+            if not reason:
+                continue
+            if backend == "compiled":
                 raise ConfigError(
                     f"{where}['params'][{i}] is {tensor.dtype} on {tensor.device.type}; fused=True supports "
                     "float32/bfloat16/float16 parameters on CPU and CUDA. Pass fused=None to run the others "
                     "on the eager path."
                 )
+            raise ConfigError(
+                f"{where}['params'][{i}]: backend={backend!r} cannot step it: {reason}. Pass backend='auto' "
+                f"({backend} where it can, another backend elsewhere) or backend='eager'."
+            )
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         # the same on 1 or N ranks: a row-sharded factored moment all-reduces its column statistics each step
@@ -291,6 +275,7 @@ class Gefen(GefenOptimizer):
         return self._step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        """checks -> first step (periods, codebook) -> backends chosen and prepared -> publish -> backends run."""
         check_capture(self)
         check_not_inference(self.kind)
         self._settle_pending_check()  # the previous step, if it was decided on the device
@@ -311,19 +296,22 @@ class Gefen(GefenOptimizer):
         codebook, codebook_warning = self._codebook, None
         if histogram is not None and starting:
             codebook, codebook_warning = histogram.codebook(starting)
-        jobs = [
-            (item, group)
-            for group, work in zip(self.param_groups, plan)
-            for item in work
-            if self._has_state(item.param) or id(item.param) in periods
-        ]
-        kernels = self._compile_jobs(jobs, codebook, periods) if jobs and not self.capturable else {}
-        check_in_native, device_flags = False, None
-        if deferred:
-            check_in_native, device_flags, bad = self._deferred_finite_check(jobs, kernels)
-            if bad:  # checked on the host here: nothing has changed
-                self._record_skip(StepSkip(nonfinite=True, names=tuple(bad)))
-                return loss
+        zero_code = zero_code_index(codebook) if starting else 0
+        new_states = {  # fresh state tensors, published only once every check below has passed
+            id(item.param): self._initial_state(item, group, periods[id(item.param)], zero_code)
+            for item, group in fresh
+            if id(item.param) in periods
+        }
+        jobs = self._jobs(plan, new_states)
+        self._pending_codebook = codebook
+        try:
+            batches = self._dispatch(jobs) if jobs and not self.capturable else []
+            check, bad = self._step_check(batches, deferred)
+        finally:
+            self._pending_codebook = None
+        if bad:  # checked on the host here: nothing has changed
+            self._record_skip(StepSkip(nonfinite=True, names=tuple(bad)))
+            return loss
         # ---- nothing above has changed the optimizer; from here on the step is applied
         if codebook is not self._codebook:
             self._set_codebook(codebook)
@@ -331,79 +319,163 @@ class Gefen(GefenOptimizer):
                 warn_user(codebook_warning)
         if not any(plan):
             return loss
-        zero_code = zero_code_index(codebook) if starting else 0
-        for group, work in zip(self.param_groups, plan):
-            for item in work:
-                if self._has_state(item.param):
-                    continue
-                if id(item.param) in periods:
-                    kind = self._second_moment_kind(item.param, group)
-                    period = periods[id(item.param)]
-                    if item.shard is not None:
-                        self.state[item.param] = init_sharded_state(item.target, item.shard, period, kind, zero_code)
-                    else:
-                        self.state[item.param] = init_state(
-                            item.param, period, kind, zero_code, counters_on_device=self.capturable
-                        )
-                else:  # all-zero first gradient: only the decoupled decay
-                    zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
-                    apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
-        bad = self._run_native(
-            [(item, group) for item, group in jobs if kernels.get(id(item.param)) == "native"], check_in_native
-        )
-        if bad:  # the native call refused the step before any write: nothing has changed
-            self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(bad))))
-            return loss
-        left = self._run_compiled(
-            [
-                (item, group, kernels[id(item.param)])
-                for item, group in jobs
-                if isinstance(kernels.get(id(item.param)), KernelSignature)
-            ],
-            device_flags,
-        )
-        advance = bool(jobs)  # a step that only saw all-zero first gradients (e.g. DCP's hidden init step) did not
-        if device_flags is not None:  # the global step moves when the pending check is settled
-            advance = False
-            on_host = self._pending_check is not None and self._pending_check.event is None
-            if (left or on_host) and not self._settle_pending_check():
-                return loss  # skipped: every kernel write was masked, and nothing else has run
+        for item, group in fresh:
+            if id(item.param) in new_states:
+                self.state[item.param] = new_states[id(item.param)]
+            else:  # all-zero first gradient: only the decoupled decay
+                zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
+                apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
         if self.capturable:
-            for item, group in jobs:
-                self._update_on_device(item, group)
-        else:
-            self._update_all([(i, g) for i, g in jobs if id(i.param) not in kernels or id(i.param) in left])
-        if advance:
-            self._advance_global_step()
+            for job in jobs:
+                self._update_on_device(job)
+            self._finish_jobs(jobs)
+            if jobs:
+                self._advance_global_step()
+            return loss
+        status = self._run_backends(batches, check)
+        if status == "refused":
+            return loss
+        self._finish_jobs(jobs)
+        if status == "applied" and jobs:  # a step that saw only all-zero first gradients (e.g. DCP's hidden init
+            self._advance_global_step()  # step) does not count; a device-decided one counts when it is settled
         return loss
 
-    def _deferred_finite_check(
-        self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], kernels: Mapping[int, KernelSignature | str]
-    ) -> tuple[bool, Tensor | None, list[str]]:
+    def _initial_state(self, item: WorkItem, group: Mapping[str, Any], period: int, zero_code: int) -> dict[str, Any]:
+        """A parameter's first state (zeros, codes at the zero code), not yet published."""
+        kind = self._second_moment_kind(item.param, group)
+        if item.shard is not None:
+            return init_sharded_state(item.target, item.shard, period, kind, zero_code)
+        return init_state(item.param, period, kind, zero_code, counters_on_device=self.capturable)
+
+    def _jobs(self, plan: list[list[WorkItem]], new_states: Mapping[int, dict[str, Any]]) -> list[StepJob]:
+        """One :class:`gefen.kernels.backends.StepJob` per parameter that steps now (with state, or starting),
+        with one per-step record per param group."""
+        jobs = []
+        for group, work in zip(self.param_groups, plan):
+            scalars = None
+            for item in work:
+                state = new_states.get(id(item.param))
+                if state is None:
+                    if not self._has_state(item.param):
+                        continue  # an all-zero first gradient
+                    state = self.state[item.param]
+                if scalars is None:
+                    scalars = self._step_scalars(group)
+                local = local_state(state)
+                jobs.append(StepJob(item.name, item.param, item.target, item.grad, local, group, scalars, item.shard))
+        return jobs
+
+    def _step_scalars(self, group: Mapping[str, Any]) -> StepScalars:
+        """The group's per-step record (GefenMuon: its momentum as ``beta1``)."""
+        return StepScalars.of_group(group)
+
+    def _context(self) -> StepContext:
+        def table(device: torch.device) -> NearestCodeTable:
+            return self._nearest_table(device, self._pending_codebook)
+
+        return StepContext(self.kind, table, self.deterministic)
+
+    def _dispatch(self, jobs: list[StepJob]) -> list[tuple[Any, list[StepJob]]]:
+        """Choose every job's backend (:class:`gefen.kernels.backends.Backends`, the one dispatch point) and
+        prepare each batch (compilations, plans), before any state changes. Jobs a backend cannot prepare go to
+        the eager backend.
+
+        Raises:
+            StepError: a param group asked for a backend that cannot step one of its parameters, or could not
+                prepare it; nothing has been changed.
+        """
+        chosen: list[tuple[StepJob, str]] = []
+        cache: dict[tuple[str, str, torch.dtype, torch.dtype, bool], tuple[str, str]] = {}
+        for job in jobs:
+            requested = group_backend(job.group)
+            key = (requested, job.target.device.type, job.target.dtype, job.grad.dtype, job.shard is not None)
+            decided = cache.get(key)  # the same answer for every parameter of this kind
+            if decided is None:
+                sharded = job.shard is not None
+                decided = cache[key] = self._backends.choose(requested, job.target, job.grad.dtype, sharded)
+            name, reason = decided
+            if requested == "auto" and reason and not self._warned_native:
+                self._warned_native = True
+                warn_user(
+                    f"{self.kind}: the native CPU backend is unavailable ({reason}); using the eager step "
+                    "(same results, slower). backend='native' would raise instead."
+                )
+            elif requested != "auto" and reason:
+                if job.shard is not None or name == "compiled":  # sharded: eager; compiled: refused in prepare
+                    name = "eager" if job.shard is not None else name
+                else:
+                    raise StepError(
+                        f"{self.kind}(backend={requested!r}): {job.name} cannot run on it: {reason}. Nothing was "
+                        "changed; pass backend='auto' or backend='eager'."
+                    )
+            chosen.append((job, name))
+        context = self._context()
+        batches = self._backends.batches(chosen)
+        left: list[StepJob] = []
+        for backend, batch in batches:
+            left.extend(backend.prepare(batch, context))
+        if left:
+            moved = {id(job) for job in left}
+            batches = [(b, [j for j in batch if id(j) not in moved]) for b, batch in batches]
+            batches = [(b, batch) for b, batch in batches if batch]
+            eager = self._backends.get("eager")
+            batches = [(b, batch) for b, batch in batches if b is not eager] + [
+                (eager, [j for b, batch in batches if b is eager for j in batch] + left)
+            ]
+        return batches
+
+    def _step_check(self, batches: list[tuple[Any, list[StepJob]]], deferred: bool) -> tuple[str, list[str]]:
         """Where a deferred ``nonfinite`` check (see :meth:`_defers_finite_check`) runs, now that the backends
-        are chosen: inside the native call when every parameter steps natively; on the device under ``"skip"``
-        when every parameter runs a compiled kernel on one device (the flags mask the kernels' writes, see
-        :class:`gefen.nonfinite.PendingCheck`); otherwise as the host read, here, before any write.
+        are chosen: inside the backend's own pass when one backend that can check on the host runs the whole
+        step (the native library); on the device under ``"skip"`` when one backend that decides on the device
+        runs it on one device; otherwise as the host read, here, before any write.
 
         Returns:
-            ``(check_in_native, device_flags, bad)``: ``device_flags`` (n,) bool on the device or ``None``; ``bad``
-            the unusable gradients found by the host read (the step must be skipped when it is not empty).
+            ``(check, bad)``: the ``check`` mode for the backend's run (``""``, ``"host"`` or ``"device"``) and the
+            unusable gradients found by the host read (the step must be skipped when it is not empty).
 
         Raises:
             StepError: an unusable gradient under ``"raise"`` (nothing changed).
         """
-        chosen = [kernels.get(id(item.param)) for item, _ in jobs]
-        if all(kind == "native" for kind in chosen):
-            return True, None, []
-        compiled = all(isinstance(kind, KernelSignature) for kind in chosen)
-        if self.nonfinite == "skip" and compiled and len({item.param.device for item, _ in jobs}) == 1:
-            return False, usable_flags([item.grad for item, _ in jobs]), []
-        return False, None, self._apply_finite_policy(unusable_names([(item.name, item.grad) for item, _ in jobs]))
+        if not deferred:
+            return "", []
+        if len(batches) == 1:
+            backend, batch = batches[0]
+            if backend.checks == "host":
+                return "host", []
+            one_device = len({job.target.device for job in batch}) == 1
+            if backend.checks == "device" and self.nonfinite == "skip" and one_device:
+                return "device", []
+        named = [(job.name, job.grad) for _, batch in batches for job in batch]
+        return "", self._apply_finite_policy(unusable_names(named))
 
-    def _update_all(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """The eager update of ``jobs`` in order (GefenMuon overrides it to batch sharded Newton–Schulz)."""
-        for item, group in jobs:
-            self._update(item, group)
+    def _run_backends(self, batches: list[tuple[Any, list[StepJob]]], check: str) -> str:
+        """Run every batch on its backend; jobs a backend hands back run on the eager backend.
+
+        Returns:
+            ``"applied"``; ``"refused"`` when the backend's own check refused the step (nothing written; the skip
+            recorded); ``"settled"`` or ``"pending"`` for a step decided on the device, settled here (the counters
+            and global step moved, or the skip was recorded: then nothing else ran) or later.
+        """
+        context = self._context()
+        status = "applied"
+        for backend, batch in batches:
+            outcome = backend.run(batch, context, check)
+            if outcome.unusable:  # the backend refused the step before any write: nothing has changed
+                self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(outcome.unusable))))
+                return "refused"
+            if outcome.pending is not None:
+                self._pending_check, status = outcome.pending, "pending"
+                if outcome.left or outcome.pending.event is None:  # decide now: the eager rest must not run on NaN
+                    if not self._settle_pending_check():
+                        return "refused"  # skipped: every kernel write was masked, and nothing else has run
+                    status = "settled"
+            if outcome.left:
+                self._backends.get("eager").run(outcome.left, context)
+        return status
+
+    def _finish_jobs(self, jobs: list[StepJob]) -> None:
+        """Subclass hook: what follows the backends' update (GefenMuon: Newton–Schulz and the parameter write)."""
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
@@ -414,7 +486,7 @@ class Gefen(GefenOptimizer):
                 "host. Run eager warm-up steps in which every trained parameter has a gradient, then capture."
             )
 
-    def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
+    def _update_on_device(self, job: StepJob) -> None:
         """``capturable=True``: one parameter's step with every per-step value computed on its device.
 
         The same §6.2 / §6.4 chain as the compiled kernels (:mod:`gefen.kernels.fused`), called directly so that a
@@ -422,142 +494,12 @@ class Gefen(GefenOptimizer):
         from :meth:`gefen.kernels.scalars.StepScalars.compiled_row_on_device` (step counter and ``lr`` read on the
         device).
         """
-        view = ParamState.from_dict(self.state[item.param])
-        beta1, beta2 = (as_float(b) for b in group["betas"])
+        view = ParamState.from_dict(job.state)
         view.step.add_(1)
-        factored = view.kind == "factored"
-        record = StepScalars(beta1, beta2, as_float(group["eps"]), 0.0, as_float(group["weight_decay"]))
-        scalars = record.compiled_row_on_device(view.step, group["lr"], factored)
-        device, high = item.param.device, lerp_high(self._ema_weight(group))
+        scalars = job.scalars.compiled_row_on_device(view.step, job.group["lr"], view.kind == "factored")
+        device, high = job.param.device, lerp_high(1.0 - job.scalars.beta1)
         tables, steps = self._fused_tables(device), self._nearest_table(device).steps
-        fused_step_(item.param, item.grad, view, scalars, tables, steps, high)
-
-    # ------------------------------------------------------------------ compiled fast path
-    def _signature(self, item: WorkItem, group: Mapping[str, Any], periods: Mapping[int, int]) -> KernelSignature:
-        if self._has_state(item.param):
-            view = ParamState.from_dict(self.state[item.param])
-            kind, period = view.kind, view.period
-        else:
-            kind, period = self._second_moment_kind(item.param, group), periods[id(item.param)]
-        numel = item.param.numel()
-        shape = tuple(item.param.shape) if kind == "factored" else (numel // period, period)
-        weight = as_float32(self._ema_weight(group))  # torch tests its lerp branch on the fp32 weight
-        grad_dtype = torch.float32 if item.grad.dtype == torch.float64 else item.grad.dtype  # cast in _run_compiled
-        return KernelSignature(
-            "momentum" if kind.startswith("momentum") else kind,
-            shape,
-            period,
-            item.param.dtype,
-            grad_dtype,
-            item.param.device.type,
-            self._nearest_table(item.param.device, self._pending_codebook).steps,
-            abs(weight) >= 0.5,
-            self.deterministic,
-        )
-
-    def _ema_weight(self, group: Mapping[str, Any]) -> float:
-        """The first-moment EMA weight ``1 − β1`` of a group (GefenMuon: ``1 − momentum``)."""
-        return 1.0 - as_float(group["betas"][0])
-
-    def _compile_jobs(
-        self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], codebook: Tensor | None, periods: Mapping[int, int]
-    ) -> dict[int, KernelSignature | str]:
-        """Choose the backend of every parameter (:mod:`gefen.kernels`: the one dispatch point) and compile new
-        signatures, before any state changes.
-
-        Returns:
-            ``id(param) -> signature`` of the parameters that run compiled, ``id(param) -> "native"`` of those that
-            run natively; the others run eagerly.
-
-        Raises:
-            StepError: a param group with ``fused=True`` has a signature that failed to compile.
-        """
-        chosen: dict[int, KernelSignature | str] = {}
-        auto_choices: dict[tuple[str, torch.dtype, torch.dtype], tuple[str, str]] = {}
-        self._pending_codebook = codebook
-        try:
-            default = fused_by_default() if any(group_backend(group) == "auto" for _, group in jobs) else False
-            for item, group in jobs:
-                backend = group_backend(group)
-                if item.shard is not None:  # sharded parameters: this rank's rows natively, or the eager step
-                    distributed = group.get("sharded_mode") == "distributed"  # GefenMuon's owner buckets: eager
-                    unsupported = native_supports(item.target, item.grad.dtype)
-                    if backend in ("auto", "native") and not distributed and not unsupported:
-                        chosen[id(item.param)] = "native"
-                    continue
-                if backend == "auto":
-                    key = (item.param.device.type, item.param.dtype, item.grad.dtype)
-                    decided = auto_choices.get(key)  # the same answer for every parameter of this kind
-                    if decided is None:
-                        decided = auto_choices[key] = auto_backend(item.param, item.grad.dtype, default)
-                    backend, reason = decided
-                    if reason and not self._warned_native:
-                        self._warned_native = True
-                        warn_user(
-                            f"{self.kind}: the native CPU backend is unavailable ({reason}); using the eager step "
-                            "(same results, slower). backend='native' would raise instead."
-                        )
-                    if backend == "native":  # auto_backend chose it: native_supports holds
-                        chosen[id(item.param)] = "native"
-                        continue
-                if backend == "native":
-                    reason = native_supports(item.param, item.grad.dtype)
-                    if reason:
-                        raise StepError(
-                            f"{self.kind}(backend='native'): {item.name} cannot run natively: {reason}. Nothing "
-                            "was changed; pass backend='auto' or backend='eager'."
-                        )
-                    chosen[id(item.param)] = "native"
-                    continue
-                fused = True if backend == "compiled" and group_backend(group) == "compiled" else None
-                wanted = backend == "compiled"
-                if fused and not compile_supported():
-                    raise StepError(
-                        "Gefen(fused=True): torch.compile is unavailable or disabled here (TORCH_COMPILE_DISABLE "
-                        "or torch._dynamo.config.disable). Nothing was changed; pass fused=None or fused=False."
-                    )
-                if not wanted or not compile_supported():
-                    continue
-                signature = self._signature(item, group, periods)
-                if not signature.eligible():
-                    if fused:
-                        raise StepError(
-                            f"Gefen(fused=True): {item.name} is {item.param.dtype} on {item.param.device.type}, "
-                            "which the compiled step does not support (float32/bfloat16/float16 on CPU or CUDA). "
-                            "Nothing was changed; put it in a param group with fused=None or fused=False."
-                        )
-                    continue
-                try:
-                    self._kernels.prepare(signature, item.param.device, self._fused_tables(item.param.device))
-                except Exception as exc:
-                    if fused:
-                        raise StepError(
-                            f"Gefen(fused=True): compiling the step of {item.name} {signature} failed: "
-                            f"{type(exc).__name__}: {exc}. Nothing was changed; pass fused=None to fall back "
-                            "to the eager path, or fix the torch.compile toolchain (a C++ compiler on CPU)."
-                        ) from exc
-                    if not self._warned_fallback:
-                        self._warned_fallback = True
-                        warn_user(
-                            f"Gefen: torch.compile could not build the fused step ({type(exc).__name__}: {exc}); "
-                            "using the eager step for the affected parameters (same results, slower)."
-                        )
-                    continue
-                chosen[id(item.param)] = signature
-        finally:
-            self._pending_codebook = None
-        return chosen
-
-    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], check: bool = False) -> list[str]:
-        """Apply the native CPU backend to ``jobs`` in one library call (see :func:`run_native_jobs`).
-
-        Returns:
-            With ``check`` (see :meth:`_defers_finite_check`), the names of the parameters whose gradients are
-            unusable, and then nothing was changed; otherwise ``[]``.
-        """
-        if not jobs:
-            return []
-        return run_native_jobs(self.state, jobs, self._nearest_table(torch.device("cpu")), check)
+        fused_step_(job.param, job.grad, view, scalars, tables, steps, high)
 
     def _defers_finite_check(self, plan: list[list[WorkItem]]) -> bool:
         """Whether the step applies its ``nonfinite`` policy itself, after choosing the backends and before its
@@ -595,84 +537,6 @@ class Gefen(GefenOptimizer):
             if not self._has_state(item.param) and checkable_in_histogram(item)
         )
 
-    def _run_compiled(
-        self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]], flags: Tensor | None = None
-    ) -> set[int]:
-        """Apply the compiled kernels; per-step constants of all parameters go to each device in one copy.
-
-        ``flags`` ((n,) bool on the one device of all ``jobs``, see :meth:`_deferred_finite_check`): the step is
-        decided on the device: its apply entry (:data:`gefen.kernels.fused.APPLY`) is ``all(flags)``, so a skipped
-        step writes nothing, and the counters move when the :class:`gefen.nonfinite.PendingCheck` this leaves in
-        ``self._pending_check`` is settled.
-
-        A parameter's ``step`` counter moves only after its kernel ran. If a kernel fails here (dynamo recompiles
-        when a guard on global state fails, e.g. another thread count or autocast, and that recompilation can
-        fail), its signature is marked failed, one warning is given, and that parameter and every later one are
-        returned for the eager path, so the step is still applied whole and consistently; with ``fused=True`` the
-        next step is then refused before any change.
-
-        Returns:
-            ``id(param)`` of the parameters left for the eager path.
-        """
-        rows: dict[torch.device, list[list[float]]] = {}
-        records: dict[int, StepScalars] = {}  # one per group and step
-        for item, group, signature in jobs:
-            step = int(ParamState.from_dict(self.state[item.param]).step) + 1
-            record = records.get(id(group))
-            if record is None:
-                record = records[id(group)] = StepScalars.of_group(group)
-            row = record.compiled_row(step, signature.kind == "factored")
-            rows.setdefault(item.param.device, []).append(row)
-        constants = {dev: constants_on(dev, r) for dev, r in rows.items()}
-        if flags is not None:
-            for table in constants.values():
-                table[:, APPLY] = flags.all().to(table.dtype)  # on the device: no host read
-            self._pending_check = PendingCheck.of(
-                flags,
-                [item.name for item, _, _ in jobs],
-                [ParamState.from_dict(self.state[item.param]).step for item, _, _ in jobs],
-            )
-        scalars = {dev: iter(table) for dev, table in constants.items()}
-        for position, (item, _group, signature) in enumerate(jobs):
-            device = item.param.device
-            view = ParamState.from_dict(self.state[item.param])
-            codebook, lut, thresholds = self._fused_tables(device)
-            # plain contiguous tensors: the graphs were compiled for them (dynamo guards on requires_grad, strides)
-            param = item.param.detach()
-            work = param if param.is_contiguous() else param.contiguous()
-            grad = kernel_grad(item.grad, signature.shape)
-            second = (
-                (view.second_moment_row, view.second_moment_col) if view.kind == "factored" else (view.second_moment,)
-            )
-            constants = next(scalars[device])
-            try:
-                self._kernels.run(
-                    signature,
-                    work.view(signature.shape),
-                    grad,
-                    view.codes,
-                    view.scale,
-                    *second,
-                    codebook,
-                    lut,
-                    thresholds,
-                    constants,
-                )
-            except Exception as exc:  # recorded in self._kernels.failures by run()
-                warn_user(
-                    f"Gefen: the compiled step of {item.name} failed inside step() ({type(exc).__name__}: {exc}); "
-                    "this step was completed on the eager path for it and the parameters after it (same math). "
-                    "fused=None keeps using the eager path for this signature; fused=True refuses the next step."
-                )
-                if self._pending_check is not None:  # the eager path advances the counters of the rest itself
-                    del self._pending_check.counters[position:]
-                return {id(it.param) for it, _, _ in jobs[position:]}
-            if work is not param:
-                param.copy_(work)
-            if flags is None:
-                view.step.add_(1)
-        return set()
-
     def _has_state(self, param: Tensor) -> bool:
         # ``self.state`` is a defaultdict: a mere read (``opt.state[p]``) creates an empty entry.
         return STEP in self.state.get(param, ())
@@ -701,61 +565,3 @@ class Gefen(GefenOptimizer):
             entry = (codebook, build(codebook))
             self._tables[key] = entry
         return entry[1]
-
-    def _update(self, item: WorkItem, group: Mapping[str, Any]) -> None:
-        """Apply §6.2 / §6.4 to one parameter, in chunks of whole blocks (and whole rows when factored).
-
-        Chunking bounds the transient memory to a few bytes per element of one chunk and keeps every pass in
-        cache; per-block reductions never straddle a chunk, so the result does not depend on the chunk size.
-        """
-        view = ParamState.from_dict(local_state(self.state[item.param]))
-        beta1, beta2 = (as_float(b) for b in group["betas"])
-        lr, eps, weight_decay = as_float(group["lr"]), as_float(group["eps"]), as_float(group["weight_decay"])
-        target = item.target
-        table = self._nearest_table(target.device)
-        period, numel = view.period, target.numel()
-        view.step.add_(1)
-        t = int(view.step)
-        bc1, bc2 = bias_correction(beta1, t), bias_correction(beta2, t)
-        grad = item.grad.reshape(-1)
-        if view.kind == "factored":
-            rows, cols = target.shape
-            g2d = grad.to(torch.float32).view(rows, cols)
-            mean = None
-            if item.shard is None:
-                factored_second_moment_(view.second_moment_row, view.second_moment_col, g2d, beta2)
-            else:  # this rank's rows: the column statistic and the row mean over all ranks (one all-reduce)
-                group = item.shard.group
-                mean = sharded_factored_second_moment_(
-                    view.second_moment_row,
-                    view.second_moment_col,
-                    g2d,
-                    beta2,
-                    item.shard.rows,
-                    lambda piece: piece.copy_(all_reduce_(piece.to(collective_device(item.shard)), group, "sum")),
-                )
-            row_root, col_root = factored_root_parts(view.second_moment_row, view.second_moment_col, bc2, mean)
-            unit = math.lcm(period, cols)
-        else:
-            unit = period
-        size = _CHUNK_ELEMENTS if target.device.type == "cpu" else _CHUNK_ELEMENTS_ACCELERATOR
-        chunk = max(unit, (size // unit) * unit)
-        work = target.view(-1) if target.is_contiguous() else target.reshape(-1).clone()
-        for start in range(0, numel, chunk):
-            stop = min(start + chunk, numel)
-            blocks = slice(start // period, stop // period)
-            g_blocks = grad[start:stop].to(torch.float32).view(-1, period)
-            moment = update_quantized_moment(view.codes[blocks], view.scale[blocks], g_blocks, table, beta1)
-            if view.kind == "factored":
-                denominator = factored_denominator(row_root[start // cols : stop // cols], col_root, eps)
-                direction = moment.m_hat.view(-1).div_(denominator.view(-1))
-                scale = 1.0 / bc1
-            else:
-                v = block_second_moment_(view.second_moment[blocks], g_blocks, beta2)
-                direction = moment.m_hat.mul_(block_step_size(v, bc1, bc2, eps))
-                scale = 1.0
-            view.codes[blocks] = moment.codes
-            view.scale[blocks] = moment.scale
-            apply_update_(work[start:stop], direction, lr, weight_decay, scale)
-        if work.data_ptr() != target.data_ptr():
-            target.copy_(work.view_as(target))

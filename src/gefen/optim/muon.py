@@ -8,16 +8,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen._warnings import warn_user
 from gefen.errors import ConfigError
 from gefen.hyperparams import as_float, check_bool, check_decay_rate, check_eps
-from gefen.kernels.compiled import KernelSignature, constants_on, kernel_grad, lerp_high
+from gefen.kernels.backends import StepJob
+from gefen.kernels.compiled import kernel_grad, lerp_high
 from gefen.kernels.fused import fused_momentum_, write_param_
-from gefen.kernels.native import native_step
-from gefen.kernels.scalars import COMPILED_LAYOUT
-from gefen.math.moments import apply_update_, update_quantized_moment
+from gefen.kernels.scalars import COMPILED_LAYOUT, StepScalars
+from gefen.math.moments import apply_update_
 from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
-from gefen.optim._base import WorkItem
 from gefen.optim.gefen import Gefen
 from gefen.sharding import all_reduce_, as_sharded, gather_rows, gather_rows_to, local_state, scatter_rows_from
 from gefen.state import (
@@ -178,145 +176,75 @@ class GefenMuon(Gefen):
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         return second_moment_kind(self.kind, tuple(param.shape), group)
 
-    def _ema_weight(self, group: Mapping[str, Any]) -> float:
-        return 1.0 - as_float(group["momentum"])
+    def _step_scalars(self, group: Mapping[str, Any]) -> StepScalars:
+        return StepScalars.of_group(group, "momentum")
 
-    def _run_compiled(
-        self, jobs: list[tuple[WorkItem, Mapping[str, Any], KernelSignature]], flags: Tensor | None = None
-    ) -> set[int]:
-        """Muon's compiled path covers the quantized momentum; the rest of each update runs in :meth:`_update`.
-        ``flags`` is never set (``_checks_finite_in_step`` is False)."""
-        for item, group, signature in jobs:
-            self._update(item, group, signature)
-        return set()
-
-    def _run_native(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]], check: bool = False) -> list[str]:
-        """The native backend covers the quantized momentum; the rest of each update runs in :meth:`_update`.
-        ``check`` is never set (``_checks_finite_in_step`` is False): the policy ran before the step."""
-        for item, group in jobs:
-            self._update(item, group, "native")
-        return []
-
-    def _native_momentum(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
-        """``m̂`` (fp32, (B, P)) from the native library, with the state updated in place."""
-        table = self._nearest_table(torch.device("cpu"))
-        blocks = tuple(view.codes.shape)
-        out = torch.empty(blocks, dtype=torch.float32)
-        if out.numel() == 0:  # a rank without rows of a sharded parameter
-            return out
-        native_step(
-            "momentum",
-            grad=kernel_grad(item.grad, (item.grad.numel(),)),
-            codes=view.codes,
-            scale=view.scale,
-            tables=(table.codebook, table.lut, table.thresholds),
-            steps=table.steps,
-            period=view.period,
-            beta1=beta,
-            out=out.view(-1),
-        )
-        return out
-
-    def _update_on_device(self, item: WorkItem, group: Mapping[str, Any]) -> None:
-        """``capturable=True``: the same update with the momentum's pure function called directly and the
-        counters, NorMuon bias correction and ``lr`` read on the device (see :meth:`_update`)."""
-        self._update(item, group)
-
-    def _momentum_on_device(self, item: WorkItem, view: ParamState, beta: float) -> Tensor:
-        """``m̂`` (fp32, (B, P)) with the state updated in place, by :func:`gefen.kernels.fused.fused_momentum_`."""
-        device = item.param.device
-        blocks = tuple(view.codes.shape)
-        out = torch.empty(blocks, dtype=torch.float32, device=device)
+    def _update_on_device(self, job: StepJob) -> None:
+        """``capturable=True``: the quantized momentum by :func:`gefen.kernels.fused.fused_momentum_`, called
+        directly (a ``torch.compile`` of the whole step fuses it; no host read); the rest in :meth:`_finish_jobs`."""
+        view = ParamState.from_dict(job.state)
+        device = job.target.device
+        out = torch.empty(tuple(view.codes.shape), dtype=torch.float32, device=device)
         codebook, lut, thresholds = self._fused_tables(device)
-        weight = torch.full((len(COMPILED_LAYOUT),), 1.0 - beta, dtype=torch.float32, device=device)
+        weight = 1.0 - job.scalars.beta1
         fused_momentum_(
-            kernel_grad(item.grad, blocks),
+            kernel_grad(job.grad, tuple(view.codes.shape)),
             view.codes,
             view.scale,
             out,
             codebook,
             lut,
             thresholds,
-            weight,
+            torch.full((len(COMPILED_LAYOUT),), weight, dtype=torch.float32, device=device),
             steps=self._nearest_table(device).steps,
-            lerp_high=lerp_high(1.0 - beta),
+            lerp_high=lerp_high(weight),
         )
-        return out
-
-    def _compiled_momentum(
-        self, item: WorkItem, view: ParamState, signature: KernelSignature, beta: float
-    ) -> Tensor | None:
-        """``m̂`` from the compiled kernel (state updated in place), or ``None`` after a failure (eager then)."""
-        device = item.param.device
-        out = torch.empty(signature.shape, dtype=torch.float32, device=device)
-        grad = kernel_grad(item.grad, signature.shape)
-        codebook, lut, thresholds = self._fused_tables(device)
-        try:
-            self._kernels.run(
-                signature,
-                item.param.detach().reshape(signature.shape),  # unused by the kernel; same shape as compiled
-                grad,
-                view.codes,
-                view.scale,
-                out,
-                codebook,
-                lut,
-                thresholds,
-                _muon_constants(device, beta),
-            )
-        except Exception as exc:  # recorded in self._kernels.failures by run()
-            warn_user(
-                f"GefenMuon: the compiled momentum of {item.name} failed inside step() ({type(exc).__name__}: "
-                f"{exc}); it runs on the eager path from now on (same math)."
-            )
-            return None
-        return out
+        view.step.add_(1)
+        job.out = out
 
     # ------------------------------------------------------------------ the Muon update
-    def _update(self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None) -> None:
-        """Apply algorithm.md §7.1 to one 2-D parameter (the momentum through a compiled kernel if given)."""
-        update = self._direction(item, group, signature)
-        shard = item.shard
-        if shard is None or group.get("sharded_mode", "exact") == "approx":
-            orthogonal = self._orthogonalize(update, group)
-        else:  # exact (and distributed outside of a bucket): Newton–Schulz of the full matrix, keep our rows
-            orthogonal = self._orthogonalize(gather_rows(update, shard), group)[shard.start : shard.stop]
-        self._finish(item, group, orthogonal)
-
-    def _update_all(self, jobs: list[tuple[WorkItem, Mapping[str, Any]]]) -> None:
-        """Eager updates; sharded ``"distributed"`` parameters go in buckets of ``world`` matrices: all momenta
-        first, then each bucket's gathers to their owners, the owners' Newton–Schulz (in parallel across ranks),
-        and the scatters back (hardening.md §5.2)."""
-        bucketed = [(i, g) for i, g in jobs if i.shard is not None and g.get("sharded_mode") == "distributed"]
-        for item, group in jobs:
-            if not (item.shard is not None and group.get("sharded_mode") == "distributed"):
-                self._update(item, group)
+    def _finish_jobs(self, jobs: list[StepJob]) -> None:
+        """Algorithm.md §7.1 after the quantized momentum (each job's ``out``, from its backend): Nesterov,
+        Newton–Schulz and the parameter write. Sharded ``"distributed"`` parameters go in buckets of ``world``
+        matrices: each bucket's gathers to their owners, the owners' Newton–Schulz (in parallel across ranks), and
+        the scatters back (hardening.md §5.2)."""
+        bucketed = [job for job in jobs if job.shard is not None and job.group.get("sharded_mode") == "distributed"]
+        for job in jobs:
+            if not (job.shard is not None and job.group.get("sharded_mode") == "distributed"):
+                self._orthogonal_update(job)
         if not bucketed:
             return
-        world = bucketed[0][0].shard.world  # type: ignore[union-attr]
+        world = bucketed[0].shard.world
         if world < 2:
-            for item, group in bucketed:
-                self._update(item, group)
+            for job in bucketed:
+                self._orthogonal_update(job)
             return
         owners = self._owners()
         for start in range(0, len(bucketed), world):
             bucket = bucketed[start : start + world]
-            updates = [self._direction(item, group) for item, group in bucket]
+            updates = [self._direction(job) for job in bucket]
             full: dict[int, Tensor] = {}
-            for (item, _g), update in zip(bucket, updates):
-                assert item.shard is not None
-                owner = owners[id(item.param)]
-                gathered = gather_rows_to(update, item.shard, owner)
+            for job, update in zip(bucket, updates):
+                gathered = gather_rows_to(update, job.shard, owners[id(job.param)])
                 if gathered is not None:
-                    full[id(item.param)] = gathered
-            for item, group in bucket:
-                if id(item.param) in full:
-                    full[id(item.param)] = self._orthogonalize(full[id(item.param)], group)
-            for (item, group), update in zip(bucket, updates):
-                assert item.shard is not None
+                    full[id(job.param)] = gathered
+            for job in bucket:
+                if id(job.param) in full:
+                    full[id(job.param)] = self._orthogonalize(full[id(job.param)], job.group)
+            for job, update in zip(bucket, updates):
                 like = torch.empty_like(update, dtype=torch.bfloat16)  # NS output dtype: "exact"'s bits
-                rows = scatter_rows_from(full.get(id(item.param)), like, item.shard, owners[id(item.param)])
-                self._finish(item, group, rows)
+                rows = scatter_rows_from(full.get(id(job.param)), like, job.shard, owners[id(job.param)])
+                self._finish(job, rows)
+
+    def _orthogonal_update(self, job: StepJob) -> None:
+        """Newton–Schulz of one job's update (of the full matrix when row-sharded ``"exact"``) and its write."""
+        update = self._direction(job)
+        shard = job.shard
+        if shard is None or job.group.get("sharded_mode", "exact") == "approx":
+            orthogonal = self._orthogonalize(update, job.group)
+        else:  # exact (and distributed outside of a bucket): Newton–Schulz of the full matrix, keep our rows
+            orthogonal = self._orthogonalize(gather_rows(update, shard), job.group)[shard.start : shard.stop]
+        self._finish(job, orthogonal)
 
     def _owners(self) -> dict[int, int]:
         """Owner rank of every sharded ``"distributed"`` parameter: its position among all of the optimizer's
@@ -329,33 +257,16 @@ class GefenMuon(Gefen):
                 owners[id(p)] = position % shard.world
         return owners
 
-    def _direction(
-        self, item: WorkItem, group: Mapping[str, Any], signature: KernelSignature | str | None = None
-    ) -> Tensor:
-        """Update the quantized momentum of one parameter (this rank's rows) and return the matrix to
-        orthogonalise: ``U = β·m̂ + (1−β)·G`` (Nesterov) or ``m̂``, fp32 of the target's shape."""
-        view = ParamState.from_dict(local_state(self.state[item.param]))
-        beta = as_float(group["momentum"])
-        rows, cols = item.target.shape
-        grad = item.grad.to(torch.float32)
-        if signature == "native":
-            m_hat: Tensor | None = self._native_momentum(item, view, beta)
-        elif isinstance(signature, KernelSignature):
-            m_hat = self._compiled_momentum(item, view, signature, beta)
-        else:
-            m_hat = None
-        if self.capturable:
-            m_hat = self._momentum_on_device(item, view, beta)
-        if m_hat is None:
-            moment = update_quantized_moment(
-                view.codes, view.scale, grad.reshape(-1, view.period), self._nearest_table(grad.device), beta
-            )
-            view.codes.copy_(moment.codes)
-            view.scale.copy_(moment.scale)
-            m_hat = moment.m_hat
-        view.step.add_(1)
-        m_hat = m_hat.view(rows, cols)
-        return m_hat.mul_(beta).add_(grad, alpha=1.0 - beta) if group["nesterov"] else m_hat
+    def _direction(self, job: StepJob) -> Tensor:
+        """The matrix to orthogonalise from the job's ``m̂``: ``U = β·m̂ + (1−β)·G`` (Nesterov) or ``m̂``, fp32 of
+        the target's shape."""
+        assert job.out is not None, "a backend fills every momentum job's out"
+        beta = job.scalars.beta1
+        rows, cols = job.target.shape
+        m_hat = job.out.view(rows, cols)
+        if not job.group["nesterov"]:
+            return m_hat
+        return m_hat.mul_(beta).add_(job.grad.to(torch.float32), alpha=1.0 - beta)
 
     @staticmethod
     def _orthogonalize(update: Tensor, group: Mapping[str, Any]) -> Tensor:
@@ -365,8 +276,9 @@ class GefenMuon(Gefen):
         schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"])
         return newton_schulz(update, schedule, as_float(group["eps"]))
 
-    def _finish(self, item: WorkItem, group: Mapping[str, Any], orthogonal: Tensor) -> None:
+    def _finish(self, job: StepJob, orthogonal: Tensor) -> None:
         """NorMuon (if on) and the decoupled-decay update of this rank's rows with ``O`` (``orthogonal``)."""
+        item, group = job, job.group
         state = self.state[item.param]
         rows, cols = item.param.shape  # the global shape sets the lr ratio
         target = item.target
@@ -407,11 +319,6 @@ class GefenMuon(Gefen):
             return
         if target.numel():
             apply_update_(target, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
-
-
-def _muon_constants(device: torch.device, beta: float) -> Tensor:
-    """The compiled momentum kernel's constants: entry 0 is the EMA weight ``1 − β`` (fp32, on ``device``)."""
-    return constants_on(device, [[1.0 - beta] + [0.0] * (len(COMPILED_LAYOUT) - 1)])[0]
 
 
 def _check_muon_group(group: Mapping[str, Any], where: str) -> None:

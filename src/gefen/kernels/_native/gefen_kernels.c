@@ -8,7 +8,7 @@
  * (torch's): Python hands over the addresses of GOMP_parallel / omp_get_thread_num / omp_get_num_threads, so no
  * second OpenMP runtime is ever loaded.
  *
- * Rounding rules (those of the eager torch reference, gefen.kernels.reference, documented there):
+ * Rounding rules (those of the eager torch reference, gefen.kernels.eager, documented there):
  *   - every intermediate is fp32; gradients are up-cast exactly; parameters are written once, round to nearest even;
  *   - first moment:  m_old = c[idx] * a_old;  d = g - m_old;
  *                    m = fma(w, d, m_old)   if w < 0.5  (torch's lerp), else  m = fma(w - 1, d, g);

@@ -1,22 +1,24 @@
-"""The native step of many parameters at once: one :mod:`gefen.kernels.native` record per parameter, one call."""
+"""The native backend: the step of many parameters at once on the C library, one record per parameter, one call.
+
+See :mod:`gefen.kernels.native` for the library (SIMD with run-time dispatch, torch's OpenMP threads, no compile
+time) and :mod:`gefen.kernels.backends` for the interface this implements.
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
 
 import torch
+from torch import Tensor
 
 from gefen.amp import usable_bound
-from gefen.kernels.compiled import kernel_grad
-from gefen.kernels.native import as_float32, run_records
+from gefen.kernels.backends import StepContext, StepJob, StepOutcome, dtype_reason
+from gefen.kernels.fused import kernel_grad
+from gefen.kernels.native import NATIVE_DTYPES, as_float32, native_status, run_records
 from gefen.kernels.native import check_arguments as check_native_arguments
 from gefen.kernels.native import record as native_record
-from gefen.kernels.scalars import StepScalars
 from gefen.math.lookup import NearestCodeTable
-from gefen.optim._base import WorkItem
-from gefen.sharding import all_reduce_, local_state
+from gefen.sharding import all_reduce_
 from gefen.state import (
     FIRST_MOMENT_CODES,
     FIRST_MOMENT_SCALE,
@@ -26,15 +28,36 @@ from gefen.state import (
     STEP,
 )
 
-__all__ = ["run_native_jobs"]
+__all__ = ["NativeBackend", "run_native_jobs"]
 
 
-def run_native_jobs(
-    states: Mapping[torch.Tensor, dict[str, Any]],
-    jobs: list[tuple[WorkItem, Mapping[str, Any]]],
-    table: NearestCodeTable,
-    check: bool = False,
-) -> list[str]:
+class NativeBackend:
+    """The native C backend: CPU parameters and gradients of fp32/bf16/fp16 (float64 gradients cast to fp32), plain
+    or row-sharded; it can fold the ``nonfinite`` check into its own statistics pass (``check="host"``)."""
+
+    name = "native"
+    checks = "host"
+
+    def available(self) -> str:
+        return native_status().reason
+
+    def supports(self, param: Tensor, grad_dtype: torch.dtype, sharded: bool) -> str:
+        reason = native_status().reason
+        if reason:
+            return reason
+        if param.device.type != "cpu":
+            return f"the parameter is on {param.device.type} (the native backend is CPU-only)"
+        return dtype_reason(param, grad_dtype, tuple(NATIVE_DTYPES), self.name)
+
+    def prepare(self, jobs: list[StepJob], context: StepContext) -> list[StepJob]:
+        return []
+
+    def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:
+        unusable = run_native_jobs(jobs, context.table(torch.device("cpu")), check == "host")
+        return StepOutcome(unusable=unusable)
+
+
+def run_native_jobs(jobs: list[StepJob], table: NearestCodeTable, check: bool = False) -> list[str]:
     """Apply the native CPU backend (:mod:`gefen.kernels.native`) to ``jobs`` in one library call.
 
     ``check=True`` folds the ``nonfinite`` check into the call: the library checks every gradient against
@@ -43,7 +66,7 @@ def run_native_jobs(
     whole call when one fails. The caller then applies its policy; nothing has been changed.
 
     Returns:
-        Names (``WorkItem.name``, in ``jobs`` order) of the parameters whose gradient failed the check; empty when
+        Names (``StepJob.name``, in ``jobs`` order) of the parameters whose gradient failed the check; empty when
         the step was applied (always, with ``check=False``).
 
     This rank's rows of row-sharded (FSDP2) factored parameters take their column statistics and the mean of the
@@ -59,13 +82,15 @@ def run_native_jobs(
     """
     tables = (table.codebook, table.lut, table.thresholds)
     records, keep, copies, names, empty_steps = [], [], [], [], []
-    scalars: dict[int, StepScalars] = {}  # one record per group and step
     threads = torch.get_num_threads()
     reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
-    for item, group in jobs:
-        state = local_state(states[item.param])
+    for item in jobs:
+        state = item.state
         codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
         param = item.target  # this rank's rows of a sharded parameter
+        momentum = SECOND_MOMENT_ROW not in state and SECOND_MOMENT not in state  # GefenMuon's: m̂ into item.out
+        if momentum:
+            item.out = torch.empty(codes.shape, dtype=torch.float32)
         numel = param.numel()
         sharded_factored = item.shard is not None and state.get(SECOND_MOMENT_ROW) is not None
         offset = reduce_length
@@ -76,18 +101,21 @@ def run_native_jobs(
         if numel == 0:  # a rank without rows of a sharded parameter: only its counter moves
             empty_steps.append(step)
             continue
-        work = param
-        if not param.is_contiguous():  # stepped in a contiguous copy, written back after the call
-            param = param.detach()
-            work = param.contiguous()
-            copies.append((param, work))
-        row = state.get(SECOND_MOMENT_ROW)
-        factored = row is not None
-        second = (row, state[SECOND_MOMENT_COL]) if factored else (state[SECOND_MOMENT],)
         grad = item.grad
         if grad.dtype == torch.float64 or not grad.is_contiguous():
             grad = kernel_grad(grad, (numel,))
-        kind = "factored" if factored else "block"
+        if momentum:
+            kind, second, work = "momentum", (), None
+        else:
+            work = param
+            if not param.is_contiguous():  # stepped in a contiguous copy, written back after the call
+                param = param.detach()
+                work = param.contiguous()
+                copies.append((param, work))
+            row = state.get(SECOND_MOMENT_ROW)
+            kind = "factored" if row is not None else "block"
+            second = (row, state[SECOND_MOMENT_COL]) if row is not None else (state[SECOND_MOMENT],)
+        factored = kind == "factored"
         call = {
             "grad": grad,
             "codes": codes,
@@ -97,21 +125,17 @@ def run_native_jobs(
             "period": codes.shape[1],
             "param": work,
             "second": second,
+            "out": item.out.view(-1) if momentum and item.out is not None else None,
             "shape": tuple(param.shape) if factored else (0, 0),
         }
-        if not (codes.is_contiguous() and scale.is_contiguous() and second[0].is_contiguous()) or (
-            factored and not second[1].is_contiguous()
-        ):
+        if not (codes.is_contiguous() and scale.is_contiguous() and all(t.is_contiguous() for t in second)):
             check_native_arguments(kind, **call)
         keep.append(call)
-        record = scalars.get(id(group))
-        if record is None:
-            record = scalars[id(group)] = StepScalars.of_group(group)
         records.append(
             native_record(
                 kind,
                 **call,
-                scalars=record,
+                scalars=item.scalars,
                 step=int(step) + 1,
                 threads=threads,
                 global_rows=item.shard.rows if sharded_factored and item.shard is not None else 0,

@@ -1,0 +1,168 @@
+"""Gefen and GefenMuon on the Triton backend (``backend="triton"``), run on CPU tensors by Triton's interpreter.
+
+The interpreter runs the same kernels one program after another (no GPU numerics, no races; see
+tests/kernels/test_triton_plan.py for what it does and does not show); here the optimizer-level contract is checked:
+the same training as the native backend, the plan reused across steps and rebuilt when a tensor moves, a NaN step
+decided on the device changing nothing, and no host read in a steady step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gefen
+from gefen.kernels.native import native_status
+from gefen.state import ParamState
+
+pytest.importorskip("triton")
+
+from tests.triton_interpreter import interpreted_kernels  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter():
+    """The kernels in Triton's interpreter (CPU tensors), with a round-once fma (tests/triton_interpreter.py)."""
+    with interpreted_kernels():
+        yield
+
+
+needs_native = pytest.mark.skipif(not native_status().available, reason="native library not built")
+
+
+def _params(seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"weight": (24, 48), "thin": (96, 8), "bias": (24,), "conv": (4, 3, 16)}
+    return [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))) for n, s in shapes.items()]
+
+
+def _grads(params: list[tuple[str, torch.nn.Parameter]], step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _, p in params:
+        rows = torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=gen) * 4
+        out.append((torch.randn(p.shape, generator=gen) * rows).to(p.dtype))
+    return out
+
+
+def _train(backend: str, steps: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> tuple:
+    params = _params(0, dtype)
+    opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1, backend=backend, **kwargs)
+    for step in range(steps):
+        for (_, p), g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_trains_like_native(dtype: torch.dtype) -> None:
+    """Three steps of block, factored and 1-D parameters: codes and magnitudes bit-identical to the native backend,
+    second moments within 4 ulp (the block mean is rounded once from a float64 sum; the native library multiplies an
+    fp32 sum by fp32(1/P)), so parameters within 2 ulp of their dtype plus 1e-5 of the three steps' update."""
+    initial = [p.detach().float() for _, p in _params(0, dtype)]
+    native_params, native = _train("native", 3, dtype)
+    triton_params, triton = _train("triton", 3, dtype)
+    assert torch.equal(native.codebook, triton.codebook)
+    for (name, a), (_, b) in zip(native_params, triton_params):
+        sa, sb = ParamState.from_dict(native.state[a]), ParamState.from_dict(triton.state[b])
+        assert torch.equal(sa.codes, sb.codes), name
+        assert torch.equal(sa.scale, sb.scale), name
+        assert int(sa.step) == int(sb.step) == 3
+        for key in ("second_moment", "second_moment_row", "second_moment_col"):
+            if key in native.state[a]:
+                torch.testing.assert_close(native.state[a][key], triton.state[b][key], rtol=4 * 2**-23, atol=0)
+    for (name, a), (_, b), start in zip(native_params, triton_params, initial):
+        a, b = a.detach().float(), b.detach().float()
+        bound = 2 * torch.finfo(dtype).eps * a.abs() + 1e-5 * (a - start).abs()
+        assert bool(((a - b).abs() <= bound).all()), name
+    assert triton.global_step == 3
+
+
+def test_triton_plan_is_reused_and_rebuilt_when_a_gradient_moves() -> None:
+    params, opt = _train("triton", 2)
+    backend = opt._backends.get("triton")
+    plan = backend._plan
+    for (_, p), g in zip(params, _grads(params, 5)):
+        p.grad.copy_(g)  # same addresses: the same plan
+    opt.step()
+    assert backend._plan is plan
+    for (_, p), g in zip(params, _grads(params, 6)):
+        p.grad = g  # new gradient tensors: a new plan, the same result as a fresh run
+    opt.step()
+    assert backend._plan is not plan
+    reference_params, reference = _train("triton", 2)  # a plan built at every step: the same bits
+    for (_, p), g in zip(reference_params, _grads(reference_params, 5)):
+        p.grad = g
+    reference.step()
+    for (_, p), g in zip(reference_params, _grads(reference_params, 6)):
+        p.grad = g
+    reference.step()
+    for (_, a), (_, b) in zip(params, reference_params):
+        assert all(torch.equal(opt.state[a][k], reference.state[b][k]) for k in opt.state[a])
+        assert torch.equal(a, b)
+
+
+def test_triton_nan_step_is_skipped_on_the_device_and_changes_nothing() -> None:
+    params, opt = _train("triton", 2, nonfinite="skip")
+    before = {k: v.clone() for _, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    values = [p.detach().clone() for _, p in params]
+    grads = _grads(params, 7)
+    grads[1][3, 2] = float("nan")
+    for (_, p), g in zip(params, grads):
+        p.grad = g
+    with pytest.warns(UserWarning, match="thin"):
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.global_step == 2
+    after = {k: v for _, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(v, p.detach()) for v, (_, p) in zip(values, params))
+    for (_, p), g in zip(params, _grads(params, 8)):  # the next good step runs from the same plan and counters
+        p.grad = g
+    opt.step()
+    assert opt.global_step == 3 and all(int(opt.state[p]["step"]) == 3 for _, p in params)
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_triton_steady_step_reads_nothing_on_the_host() -> None:
+    """A steady step (plan built, nonfinite="propagate": no check) makes no ``.item()``/``bool()`` host read."""
+    params, opt = _train("triton", 2, nonfinite="propagate")
+    for (_, p), g in zip(params, _grads(params, 3)):
+        p.grad.copy_(g)
+    with _HostReads() as mode:
+        opt.step()
+    assert mode.reads == 0
+    assert opt.global_step == 3
+
+
+@needs_native
+def test_gefen_muon_momentum_on_triton_matches_native() -> None:
+    gen = torch.Generator().manual_seed(4)
+    runs = {}
+    for backend in ("native", "triton"):
+        ws = [torch.nn.Parameter(torch.randn(32, 48, generator=torch.Generator().manual_seed(1))) for _ in range(2)]
+        opt = gefen.GefenMuon(ws, lr=0.02, backend=backend)
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 + step)
+            for w in ws:
+                w.grad = torch.randn(w.shape, generator=g)
+            opt.step()
+        runs[backend] = (ws, opt)
+    (wa, oa), (wb, ob) = runs["native"], runs["triton"]
+    for a, b in zip(wa, wb):
+        assert torch.equal(oa.state[a]["first_moment_codes"], ob.state[b]["first_moment_codes"])
+        assert torch.equal(oa.state[a]["first_moment_scale"], ob.state[b]["first_moment_scale"])
+        assert torch.equal(a, b)  # the same m̂ bits: Newton-Schulz and the write are the same torch ops
+    del gen
