@@ -291,7 +291,7 @@ class Backends:
             backend = self.get(name)
             unavailable = backend.available()
             if unavailable:
-                missing = missing or unavailable
+                missing = missing or f"the {name} backend is unavailable: {unavailable}"
                 continue
             if not backend.supports(param, grad_dtype, sharded):
                 return name, ""

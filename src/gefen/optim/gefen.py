@@ -396,9 +396,9 @@ class Gefen(GefenOptimizer):
             name, reason = decided
             if requested == "auto" and reason and not self._warned_native:
                 self._warned_native = True
-                warn_user(
-                    f"{self.kind}: the native CPU backend is unavailable ({reason}); using the eager step "
-                    "(same results, slower). backend='native' would raise instead."
+                warn_user(  # reason: "the <name> backend is unavailable: <why>"
+                    f"{self.kind}: {reason}; using the eager step (same results, slower). Asking for that backend "
+                    "explicitly (backend=...) would raise instead."
                 )
             elif requested != "auto" and reason:
                 if job.shard is not None or name == "compiled":  # sharded: eager; compiled: refused in prepare
