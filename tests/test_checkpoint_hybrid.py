@@ -54,3 +54,36 @@ def test_adamw_only_hybrid_records_its_policy_and_refuses_the_other():
     with pytest.raises(gefen.CheckpointError, match="deterministic=True"):
         other.load_state_dict(sd)
     assert len(other.state) == 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "version", [torch.zeros(3), torch.tensor(1), [1], 1.0, "1", None, True, 2], ids=lambda v: type(v).__name__
+)
+def test_hybrid_schema_version_of_another_type_is_a_checkpoint_error(version):
+    """A ``schema_version`` edited to another type (a tensor, a list, a float, ...) in every metadata copy is refused
+    with CheckpointError and changes nothing; a 3-element tensor used to raise torch's "Boolean value of Tensor with
+    more than one value is ambiguous" RuntimeError (found by the malformed-checkpoint property test)."""
+    import copy
+
+    from gefen.checkpoint_hybrid import HYBRID_METADATA_KEY
+    from gefen.digest import state_digest
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        return model, gefen.GefenMuonHybrid(model.named_parameters(), lr=1e-2, backup_lr=1e-2)
+
+    model, opt = build()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    checkpoint = copy.deepcopy(opt.state_dict())
+    copies = [checkpoint[HYBRID_METADATA_KEY]] + [
+        g[HYBRID_METADATA_KEY] for g in checkpoint["param_groups"] if HYBRID_METADATA_KEY in g
+    ]
+    for meta in copies:
+        meta["schema_version"] = copy.deepcopy(version)
+    _, fresh = build()
+    before = state_digest(fresh.state_dict())
+    with pytest.raises(gefen.CheckpointError, match="schema_version"):
+        fresh.load_state_dict(checkpoint)
+    assert state_digest(fresh.state_dict()) == before

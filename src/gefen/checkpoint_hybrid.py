@@ -265,7 +265,9 @@ def _hybrid_metadata(state_dict: Mapping[str, Any], live: Mapping[str, Any] | No
             f"inconsistent hybrid metadata: the '{HYBRID_METADATA_KEY}' copies differ; the checkpoint was edited."
         )
     version = first.get("schema_version")
-    if version != HYBRID_SCHEMA_VERSION:
+    # an int first: an edited value of another type (a tensor, a list) must not reach the comparison, where a tensor
+    # would answer with a tensor and its truth value raise a RuntimeError instead of this CheckpointError
+    if type(version) is not int or version != HYBRID_SCHEMA_VERSION:
         raise CheckpointError(
             f"hybrid checkpoint schema_version={version!r} is not {HYBRID_SCHEMA_VERSION} (a newer gefen wrote it, "
             "or it was edited); upgrade gefen to load it."
