@@ -535,3 +535,47 @@ def test_hybrid_backup_factored_v_2d_option(factored: bool) -> None:
         assert ("second_moment" in keys) is not factored, keys
     with pytest.raises(TypeError):
         gefen.GefenMuonHybrid(named, lr=1e-3, backup_factored_v_2d=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["native", "eager"])
+def test_gefen_muon_momenta_in_parts_bound_memory_and_change_nothing(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """The momenta ``m̂`` (fp32 buffers) of consecutive parameters are computed together only up to
+    ``MOMENTUM_PART_ELEMENTS``, then orthogonalised and freed: with a budget of one matrix every part holds one
+    parameter, and the weights and state are bit-identical to one part for the whole model."""
+    import gefen.optim.muon as muon_module
+
+    if backend == "native" and not gefen.kernels.native_status().available:
+        pytest.skip("native library not built")
+    shapes = [(32, 48), (48, 32), (16, 64), (64, 16)]
+
+    def run(budget: int) -> tuple[list[torch.Tensor], dict, list[list[int]]]:
+        monkeypatch.setattr(muon_module, "MOMENTUM_PART_ELEMENTS", budget)
+        gen = torch.Generator().manual_seed(3)
+        ws = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        opt = gefen.GefenMuon(ws, lr=0.02, weight_decay=0.01, backend=backend)
+        seen: list[list[int]] = []
+        finish = opt._finish_jobs
+
+        def spy(jobs):  # type: ignore[no-untyped-def]
+            seen.append([job.target.numel() for job in jobs])
+            assert all(job.out is not None for job in jobs)
+            finish(jobs)
+            assert all(job.out is None for job in jobs)  # freed once written
+
+        opt._finish_jobs = spy  # type: ignore[method-assign]
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 + step)
+            for w in ws:
+                w.grad = torch.randn(w.shape, generator=g)
+            opt.step()
+        return ws, opt.state_dict(), seen
+
+    whole, whole_state, whole_parts = run(1 << 24)
+    split, split_state, split_parts = run(32 * 48)
+    assert whole_parts == [[1536, 1536, 1024, 1024]] * 3
+    assert split_parts == [[1536], [1536], [1024], [1024]] * 3
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+    for i in whole_state["state"]:
+        assert all(torch.equal(whole_state["state"][i][k], split_state["state"][i][k]) for k in whole_state["state"][i])

@@ -84,15 +84,15 @@ def test_triton_trains_like_native(dtype: torch.dtype) -> None:
 def test_triton_plan_is_reused_and_rebuilt_when_a_gradient_moves() -> None:
     params, opt = _train("triton", 2)
     backend = opt._backends.get("triton")
-    plan = backend._plan
+    (plan,) = [prepared.plan for prepared in backend._prepared.values()]
     for (_, p), g in zip(params, _grads(params, 5)):
         p.grad.copy_(g)  # same addresses: the same plan
     opt.step()
-    assert backend._plan is plan
+    assert [prepared.plan for prepared in backend._prepared.values()] == [plan]
     for (_, p), g in zip(params, _grads(params, 6)):
         p.grad = g  # new gradient tensors: a new plan, the same result as a fresh run
     opt.step()
-    assert backend._plan is not plan
+    assert len(backend._prepared) == 1 and next(iter(backend._prepared.values())).plan is not plan
     reference_params, reference = _train("triton", 2)  # a plan built at every step: the same bits
     for (_, p), g in zip(reference_params, _grads(reference_params, 5)):
         p.grad = g
@@ -148,8 +148,13 @@ def test_triton_steady_step_reads_nothing_on_the_host() -> None:
 
 
 @needs_native
-def test_gefen_muon_momentum_on_triton_matches_native() -> None:
-    gen = torch.Generator().manual_seed(4)
+@pytest.mark.parametrize("budget", [1 << 24, 32 * 48])
+def test_gefen_muon_momentum_on_triton_matches_native(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """GefenMuon's momenta on Triton: bit-identical to native, in one part or one part per matrix (the parts share
+    one m-hat arena, each consumed before the next part runs)."""
+    import gefen.optim.muon as muon_module
+
+    monkeypatch.setattr(muon_module, "MOMENTUM_PART_ELEMENTS", budget)
     runs = {}
     for backend in ("native", "triton"):
         ws = [torch.nn.Parameter(torch.randn(32, 48, generator=torch.Generator().manual_seed(1))) for _ in range(2)]
@@ -165,4 +170,5 @@ def test_gefen_muon_momentum_on_triton_matches_native() -> None:
         assert torch.equal(oa.state[a]["first_moment_codes"], ob.state[b]["first_moment_codes"])
         assert torch.equal(oa.state[a]["first_moment_scale"], ob.state[b]["first_moment_scale"])
         assert torch.equal(a, b)  # the same m̂ bits: Newton-Schulz and the write are the same torch ops
-    del gen
+    arena = ob._backends.get("triton")._arena[torch.device("cpu")]
+    assert arena.numel() == (2 if budget > 32 * 48 else 1) * 32 * 48  # one part's momenta, not the model's

@@ -98,6 +98,8 @@ class StepJob:
         scalars: the group's per-step record (:class:`gefen.kernels.scalars.StepScalars`).
         shard: this rank's rows of a row-sharded parameter (:class:`gefen.sharding.RowShard`), else ``None``.
         out: GefenMuon's momentum only: receives ``m̂`` (fp32, the codes' (B, P) shape), set by the backend.
+        prepared: what the backend's :meth:`StepBackend.prepare` left for its :meth:`StepBackend.run` (e.g. a
+            compiled kernel's signature); private to that backend, and gone with the job.
     """
 
     name: str
@@ -109,6 +111,7 @@ class StepJob:
     scalars: StepScalars
     shard: Any = None
     out: Tensor | None = None
+    prepared: Any = None
 
     @property
     def kind(self) -> str:

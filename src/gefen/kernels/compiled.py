@@ -325,7 +325,6 @@ class CompiledBackend:
 
     def __init__(self) -> None:
         self.kernels = StepKernels()
-        self._signatures: dict[int, KernelSignature] = {}  # id(job) -> its prepared signature, for run()
         self._tables: dict[torch.device, tuple[Any, tuple[Tensor, Tensor, Tensor]]] = {}
         self._warned = False
 
@@ -413,7 +412,7 @@ class CompiledBackend:
                     )
                 left.append(job)
                 continue
-            self._signatures[id(job)] = signature
+            job.prepared = signature  # for run()
         return left
 
     def run(self, jobs: list[Any], context: Any, check: str = "") -> Any:
@@ -430,7 +429,7 @@ class CompiledBackend:
         from gefen.nonfinite import PendingCheck
         from gefen.state import STEP
 
-        signatures = [self._signatures.pop(id(job)) for job in jobs]
+        signatures = [job.prepared for job in jobs]
         rows: dict[torch.device, list[list[float]]] = {}
         for job, signature in zip(jobs, signatures):
             step = int(job.state[STEP]) + 1

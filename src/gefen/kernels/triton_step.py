@@ -12,6 +12,11 @@ holds a device copy of them, built with the plan, that its kernels advance iff a
 counters advance on the host at the same time (``check=""``) or when the device decision is settled
 (``check="device"``, :class:`gefen.nonfinite.PendingCheck`), so both always agree once settled.
 
+Plans are cached per batch (a batch is the list of parameters one ``run`` steps; GefenMuon runs its parameters in
+parts, each a batch). GefenMuon's ``m̂`` buffers are views of one arena per device, as large as the largest batch's
+momenta: the parts run one after another and each consumes its ``m̂`` before the next, so the arena is reused and
+the persistent cost stays that of one part, not 4 bytes per parameter.
+
 Triton ships with torch's CUDA wheels (no compiler, no compile step for users beyond Triton's own JIT cache). On the
 CPU the backend runs only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests).
 """
@@ -43,6 +48,21 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
 
 
+class _Prepared:
+    """One batch's plan, its device counters, this step's group table and work copies."""
+
+    def __init__(self, plan: object, mirror: Tensor, outs: list[Tensor | None]) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.outs = outs
+        self.groups: Tensor | None = None
+        self.copies: list[tuple[Tensor, Tensor]] = []
+
+
+#: Plans kept per optimizer (least recently built dropped first).
+_MAX_PLANS = 64
+
+
 class TritonBackend:
     """The Triton backend (see the module docstring): plain (unsharded) fp32/bf16/fp16 parameters on CUDA."""
 
@@ -50,11 +70,8 @@ class TritonBackend:
     checks = "device"
 
     def __init__(self) -> None:
-        self._plan = None
-        self._mirror: Tensor | None = None  # the plan's device copy of the step counters
-        self._outs: list[Tensor | None] = []  # the plan's m̂ buffers (GefenMuon), one per job
-        self._groups: Tensor | None = None  # this step's (G, 5) group table on the device
-        self._copies: list[tuple[Tensor, Tensor]] = []  # (parameter, contiguous work copy) of this step
+        self._prepared: dict[tuple[int, ...], _Prepared] = {}
+        self._arena: dict[torch.device, Tensor] = {}  # GefenMuon's m-hat buffers, shared by its parts
         self._warned = False
 
     def available(self) -> str:
@@ -82,14 +99,16 @@ class TritonBackend:
                 the eager backend with one warning.
         """
         from gefen.errors import StepError
-        from gefen.kernels import triton_plan
 
-        self._copies = []
         if not jobs:
             return []
         device = jobs[0].target.device
+        key = tuple(id(job.param) for job in jobs)
+        outs = self._momentum_buffers(jobs, device)
         groups: dict[int, int] = {}
         rows: list[list[float]] = []
+        copies: list[tuple[Tensor, Tensor]] = []
+        prepared = self._prepared.get(key)
         triton_jobs = []
         for i, job in enumerate(jobs):
             row = groups.get(id(job.scalars))
@@ -97,13 +116,17 @@ class TritonBackend:
                 row = groups[id(job.scalars)] = len(rows)
                 s = job.scalars
                 rows.append([s.beta1, s.beta2, s.eps, s.lr, s.weight_decay])
-            triton_jobs.append(self._triton_job(job, row, i))
-        table = context.table(device)
+            counter = prepared.mirror[i : i + 1] if prepared is not None and i < prepared.mirror.numel() else None
+            triton_jobs.append(_triton_job(job, row, outs[i], counter, copies))
         try:
-            if self._plan is None or not self._plan.matches(triton_jobs):
-                self._plan, triton_jobs = self._build(jobs, triton_jobs, table, triton_plan)
+            if prepared is None or not prepared.plan.matches(triton_jobs):  # type: ignore[attr-defined]
+                prepared = self._build(jobs, triton_jobs, outs, context.table(device))
+                self._prepared.pop(key, None)
+                while len(self._prepared) >= _MAX_PLANS:
+                    self._prepared.pop(next(iter(self._prepared)))
+                self._prepared[key] = prepared
         except ValueError as exc:
-            self._plan = None
+            self._prepared.pop(key, None)
             if any(context.strict(job, self.name) for job in jobs):
                 raise StepError(
                     f"{context.kind}(backend='triton'): the step's plan could not be built: {exc}. Nothing was "
@@ -116,71 +139,52 @@ class TritonBackend:
                 warn_user(f"{context.kind}: the Triton step could not be planned ({exc}); using the eager step.")
             return list(jobs)
         host = torch.tensor(rows, dtype=torch.float64)
-        self._groups = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+        prepared.groups = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+        prepared.copies = copies
         return []
 
-    def _triton_job(self, job: StepJob, group: int, index: int) -> object:
-        """The plan's record of one job (the counter and ``out`` the plan's own, when it has them)."""
-        from gefen.kernels.triton_plan import TritonJob
+    def _momentum_buffers(self, jobs: list[StepJob], device: torch.device) -> list[Tensor | None]:
+        """Views of the device's arena for the momentum jobs (``None`` for the others). A larger batch than the
+        arena holds replaces it by a larger one; a plan built on the old one keeps it alive (its ``outs``) until it no
+        longer matches, at its batch's next step, and is rebuilt on the new one."""
+        sizes = [job.target.numel() if job.kind == "momentum" else 0 for job in jobs]
+        total = sum(sizes)
+        if not total:
+            return [None] * len(jobs)
+        arena = self._arena.get(device)
+        if arena is None or arena.numel() < total:
+            arena = self._arena[device] = torch.empty(total, dtype=torch.float32, device=device)
+        views: list[Tensor | None] = []
+        offset = 0
+        for size in sizes:
+            views.append(arena[offset : offset + size] if size else None)
+            offset += size
+        return views
 
-        state = job.state
-        kind = job.kind
-        param = job.target.detach()
-        if kind != "momentum" and not param.is_contiguous():
-            work = param.contiguous()
-            self._copies.append((param, work))
-            param = work
-        grad = job.grad
-        if grad.dtype == torch.float64 or not grad.is_contiguous():
-            grad = kernel_grad(grad, tuple(job.target.shape))
-        second: tuple[Tensor, ...] = ()
-        if kind == "factored":
-            second = (state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL])
-        elif kind == "block":
-            second = (state[SECOND_MOMENT],)
-        mirror = self._mirror
-        own = self._plan is not None and mirror is not None and index < mirror.numel()
-        return TritonJob(
-            kind,
-            grad.reshape(-1),
-            state[FIRST_MOMENT_CODES],
-            state[FIRST_MOMENT_SCALE],
-            job.period,
-            group,
-            None if kind == "momentum" else param.reshape(-1),
-            second,
-            tuple(job.target.shape) if kind == "factored" else (0, 0),
-            self._outs[index] if own and index < len(self._outs) else None,
-            mirror[index : index + 1] if own and mirror is not None else None,
-        )
+    def _build(self, jobs: list[StepJob], triton_jobs: list, outs: list[Tensor | None], table: object) -> _Prepared:
+        """A new plan: device counters copied from the optimizer's (host counters: no device read)."""
+        from gefen.kernels import triton_plan
 
-    def _build(self, jobs: list[StepJob], triton_jobs: list, table: object, triton_plan: object) -> tuple:
-        """A new plan: device counters copied from the optimizer's, fresh ``out`` buffers for momentum jobs."""
         device = jobs[0].target.device
-        counts = [int(job.state[STEP]) for job in jobs]  # host counters: no device read
-        self._mirror = torch.tensor(counts, dtype=torch.int64).to(device)
-        self._outs = [
-            torch.empty(job.target.numel(), dtype=torch.float32, device=device) if job.kind == "momentum" else None
-            for job in jobs
-        ]
+        mirror = torch.tensor([int(job.state[STEP]) for job in jobs], dtype=torch.int64).to(device)
         for i, tj in enumerate(triton_jobs):
-            tj.counter = self._mirror[i : i + 1]
-            tj.out = self._outs[i]
+            tj.counter = mirror[i : i + 1]
         codebook, lut, thresholds = table.codebook, table.lut, table.thresholds  # type: ignore[attr-defined]
         plan = triton_plan.build_plan(triton_jobs, codebook, lut, thresholds, table.steps)  # type: ignore[attr-defined]
-        return plan, triton_jobs
+        return _Prepared(plan, mirror, outs)
 
     def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:
-        """One launch sequence for every job; with ``check="device"`` the step is decided on the device and the
-        optimizer's counters move when the returned pending check is settled."""
+        """One launch sequence for every job of the batch; with ``check="device"`` the step is decided on the device
+        and the optimizer's counters move when the returned pending check is settled."""
         from gefen.nonfinite import PendingCheck
 
-        assert self._plan is not None and self._groups is not None, "prepare() comes first"
-        flags = self._plan.run(self._groups, check=check == "device")
-        for param, work in self._copies:
+        prepared = self._prepared[tuple(id(job.param) for job in jobs)]
+        assert prepared.groups is not None, "prepare() comes first"
+        flags = prepared.plan.run(prepared.groups, check=check == "device")  # type: ignore[attr-defined]
+        for param, work in prepared.copies:
             param.copy_(work)  # the work copy is unchanged when the device skipped the step
-        self._copies = []
-        for job, out in zip(jobs, self._outs):
+        prepared.copies, prepared.groups = [], None
+        for job, out in zip(jobs, prepared.outs):
             if out is not None:
                 job.out = out.view(job.state[FIRST_MOMENT_CODES].shape)
         counters = [job.state[STEP] for job in jobs]
@@ -190,3 +194,39 @@ class TritonBackend:
         else:
             torch._foreach_add_(counters, 1)
         return outcome
+
+
+def _triton_job(
+    job: StepJob, group: int, out: Tensor | None, counter: Tensor | None, copies: list[tuple[Tensor, Tensor]]
+) -> object:
+    """The plan's record of one job; a non-contiguous parameter steps in a contiguous copy (added to ``copies``)."""
+    from gefen.kernels.triton_plan import TritonJob
+
+    state = job.state
+    kind = job.kind
+    param = job.target.detach()
+    if kind != "momentum" and not param.is_contiguous():
+        work = param.contiguous()
+        copies.append((param, work))
+        param = work
+    grad = job.grad
+    if grad.dtype == torch.float64 or not grad.is_contiguous():
+        grad = kernel_grad(grad, tuple(job.target.shape))
+    second: tuple[Tensor, ...] = ()
+    if kind == "factored":
+        second = (state[SECOND_MOMENT_ROW], state[SECOND_MOMENT_COL])
+    elif kind == "block":
+        second = (state[SECOND_MOMENT],)
+    return TritonJob(
+        kind,
+        grad.reshape(-1),
+        state[FIRST_MOMENT_CODES],
+        state[FIRST_MOMENT_SCALE],
+        job.period,
+        group,
+        None if kind == "momentum" else param.reshape(-1),
+        second,
+        tuple(job.target.shape) if kind == "factored" else (0, 0),
+        out,
+        counter,
+    )

@@ -305,8 +305,8 @@ class Gefen(GefenOptimizer):
         jobs = self._jobs(plan, new_states)
         self._pending_codebook = codebook
         try:
-            batches = self._dispatch(jobs) if jobs and not self.capturable else []
-            check, bad = self._step_check(batches, deferred)
+            parts = self._dispatch(jobs) if jobs and not self.capturable else []
+            check, bad = self._step_check(parts, deferred)
         finally:
             self._pending_codebook = None
         if bad:  # checked on the host here: nothing has changed
@@ -326,16 +326,19 @@ class Gefen(GefenOptimizer):
                 zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
                 apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
         if self.capturable:
-            for job in jobs:
-                self._update_on_device(job)
-            self._finish_jobs(jobs)
+            for part in self._job_parts(jobs):
+                for job in part:
+                    self._update_on_device(job)
+                self._finish_jobs(part)
             if jobs:
                 self._advance_global_step()
             return loss
-        status = self._run_backends(batches, check)
-        if status == "refused":
-            return loss
-        self._finish_jobs(jobs)
+        status = "applied"
+        for part in parts:  # one part (Gefen); GefenMuon's parts bound the transient m-hat buffers
+            status = self._run_backends(part, check)
+            if status == "refused":
+                return loss
+            self._finish_jobs([job for _, batch in part for job in batch])
         if status == "applied" and jobs:  # a step that saw only all-zero first gradients (e.g. DCP's hidden init
             self._advance_global_step()  # step) does not count; a device-decided one counts when it is settled
         return loss
@@ -375,10 +378,13 @@ class Gefen(GefenOptimizer):
 
         return StepContext(self.kind, table, self.deterministic)
 
-    def _dispatch(self, jobs: list[StepJob]) -> list[tuple[Any, list[StepJob]]]:
+    def _dispatch(self, jobs: list[StepJob]) -> list[list[tuple[Any, list[StepJob]]]]:
         """Choose every job's backend (:class:`gefen.kernels.backends.Backends`, the one dispatch point) and
-        prepare each batch (compilations, plans), before any state changes. Jobs a backend cannot prepare go to
-        the eager backend.
+        prepare each batch (compilations, plans) of each part (:meth:`_job_parts`), before any state changes. Jobs a
+        backend cannot prepare go to the eager backend.
+
+        Returns:
+            Per part, its ``(backend, jobs)`` batches.
 
         Raises:
             StepError: a param group asked for a backend that cannot step one of its parameters, or could not
@@ -410,21 +416,28 @@ class Gefen(GefenOptimizer):
                     )
             chosen.append((job, name))
         context = self._context()
-        batches = self._backends.batches(chosen)
-        left: list[StepJob] = []
-        for backend, batch in batches:
-            left.extend(backend.prepare(batch, context))
-        if left:
-            moved = {id(job) for job in left}
-            batches = [(b, [j for j in batch if id(j) not in moved]) for b, batch in batches]
-            batches = [(b, batch) for b, batch in batches if batch]
-            eager = self._backends.get("eager")
-            batches = [(b, batch) for b, batch in batches if b is not eager] + [
-                (eager, [j for b, batch in batches if b is eager for j in batch] + left)
-            ]
-        return batches
+        name_of = {id(job): name for job, name in chosen}
+        parts = []
+        for part in self._job_parts(jobs):
+            batches = self._backends.batches([(job, name_of[id(job)]) for job in part])
+            left: list[StepJob] = []
+            for backend, batch in batches:
+                left.extend(backend.prepare(batch, context))
+            if left:
+                moved = {id(job) for job in left}
+                eager = self._backends.get("eager")
+                kept = [(b, [j for j in batch if id(j) not in moved]) for b, batch in batches if b is not eager]
+                eager_jobs = [j for b, batch in batches if b is eager for j in batch] + left
+                batches = [(b, batch) for b, batch in kept if batch] + [(eager, eager_jobs)]
+            parts.append(batches)
+        return parts
 
-    def _step_check(self, batches: list[tuple[Any, list[StepJob]]], deferred: bool) -> tuple[str, list[str]]:
+    def _job_parts(self, jobs: list[StepJob]) -> list[list[StepJob]]:
+        """The jobs in the order and parts the backends run them: each part is run, then finished
+        (:meth:`_finish_jobs`), before the next. Gefen: one part."""
+        return [jobs]
+
+    def _step_check(self, parts: list[list[tuple[Any, list[StepJob]]]], deferred: bool) -> tuple[str, list[str]]:
         """Where a deferred ``nonfinite`` check (see :meth:`_defers_finite_check`) runs, now that the backends
         are chosen: inside the backend's own pass when one backend that can check on the host runs the whole
         step (the native library); on the device under ``"skip"`` when one backend that decides on the device
@@ -439,6 +452,7 @@ class Gefen(GefenOptimizer):
         """
         if not deferred:
             return "", []
+        batches = [pair for part in parts for pair in part]
         if len(batches) == 1:
             backend, batch = batches[0]
             if backend.checks == "host":

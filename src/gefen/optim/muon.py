@@ -32,6 +32,9 @@ __all__ = ["GefenMuon", "SHARDED_MODES"]
 
 #: ``sharded_mode`` values (see :class:`GefenMuon`).
 SHARDED_MODES = ("exact", "distributed", "approx")
+#: Elements of ``m̂`` (fp32) live at once in a step: the momenta of consecutive parameters are computed together up to
+#: this many elements (64 MiB), then orthogonalised and written, before the next part (see ``GefenMuon._job_parts``).
+MOMENTUM_PART_ELEMENTS = 1 << 24
 
 
 class GefenMuon(Gefen):
@@ -203,6 +206,27 @@ class GefenMuon(Gefen):
         job.out = out
 
     # ------------------------------------------------------------------ the Muon update
+    def _job_parts(self, jobs: list[StepJob]) -> list[list[StepJob]]:
+        """Parts whose ``m̂`` buffers (fp32, 4 bytes per element) are live together: consecutive jobs up to
+        :data:`MOMENTUM_PART_ELEMENTS` elements (one job at the least), then each bucket of sharded ``"distributed"``
+        parameters whole (``world`` matrices, in the order :meth:`_finish_jobs` forms them). Every part is run and
+        orthogonalised before the next, so the step's transient memory stays bounded whatever the model's size. The
+        collectives follow the job order on every rank, whatever the parts."""
+        plain = [job for job in jobs if not (job.shard is not None and job.group.get("sharded_mode") == "distributed")]
+        bucketed = [job for job in jobs if job.shard is not None and job.group.get("sharded_mode") == "distributed"]
+        parts: list[list[StepJob]] = []
+        size = 0
+        for job in plain:
+            if parts and size + job.target.numel() <= MOMENTUM_PART_ELEMENTS and size:
+                parts[-1].append(job)
+                size += job.target.numel()
+            else:
+                parts.append([job])
+                size = job.target.numel()
+        world = bucketed[0].shard.world if bucketed else 1
+        parts.extend(bucketed[start : start + world] for start in range(0, len(bucketed), max(world, 1)))
+        return parts
+
     def _finish_jobs(self, jobs: list[StepJob]) -> None:
         """Algorithm.md §7.1 after the quantized momentum (each job's ``out``, from its backend): Nesterov,
         Newton–Schulz and the parameter write. Sharded ``"distributed"`` parameters go in buckets of ``world``
@@ -235,6 +259,7 @@ class GefenMuon(Gefen):
                 like = torch.empty_like(update, dtype=torch.bfloat16)  # NS output dtype: "exact"'s bits
                 rows = scatter_rows_from(full.get(id(job.param)), like, job.shard, owners[id(job.param)])
                 self._finish(job, rows)
+                job.out = None
 
     def _orthogonal_update(self, job: StepJob) -> None:
         """Newton–Schulz of one job's update (of the full matrix when row-sharded ``"exact"``) and its write."""
@@ -245,6 +270,7 @@ class GefenMuon(Gefen):
         else:  # exact (and distributed outside of a bucket): Newton–Schulz of the full matrix, keep our rows
             orthogonal = self._orthogonalize(gather_rows(update, shard), job.group)[shard.start : shard.stop]
         self._finish(job, orthogonal)
+        job.out = None  # its m-hat buffer is free from here
 
     def _owners(self) -> dict[int, int]:
         """Owner rank of every sharded ``"distributed"`` parameter: its position among all of the optimizer's
