@@ -107,7 +107,7 @@ def test_triton_plan_is_reused_and_rebuilt_when_a_gradient_moves() -> None:
 
 def test_triton_nan_step_is_skipped_on_the_device_and_changes_nothing() -> None:
     params, opt = _train("triton", 2, nonfinite="skip")
-    before = {k: v.clone() for _, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    before = {(n, k): v.clone() for n, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
     values = [p.detach().clone() for _, p in params]
     grads = _grads(params, 7)
     grads[1][3, 2] = float("nan")
@@ -116,8 +116,9 @@ def test_triton_nan_step_is_skipped_on_the_device_and_changes_nothing() -> None:
     with pytest.warns(UserWarning, match="thin"):
         opt.step()
     assert opt.skipped_steps == 1 and opt.global_step == 2
-    after = {k: v for _, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    after = {(n, k): v for n, p in params for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    assert before.keys() == after.keys() and len(before) > 4 * len(params) - 1
+    assert all(torch.equal(before[key], after[key]) for key in before)
     assert all(torch.equal(v, p.detach()) for v, (_, p) in zip(values, params))
     for (_, p), g in zip(params, _grads(params, 8)):  # the next good step runs from the same plan and counters
         p.grad = g
@@ -172,3 +173,29 @@ def test_gefen_muon_momentum_on_triton_matches_native(monkeypatch: pytest.Monkey
         assert torch.equal(a, b)  # the same m̂ bits: Newton-Schulz and the write are the same torch ops
     arena = ob._backends.get("triton")._arena[torch.device("cpu")]
     assert arena.numel() == (2 if budget > 32 * 48 else 1) * 32 * 48  # one part's momenta, not the model's
+
+
+def test_triton_compile_failure_refuses_the_step_before_any_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton compiles every kernel of a new plan in ``prepare`` (``TritonPlan.compile``), so a kernel that cannot be
+    built for the device refuses the step with nothing changed, not half-way through it."""
+    from gefen.kernels import triton_plan
+
+    compiled = []
+    original = triton_plan.TritonPlan.compile
+    monkeypatch.setattr(triton_plan.TritonPlan, "compile", lambda plan: compiled.append(original(plan)))
+    params, opt = _train("triton", 1)
+    assert len(compiled) == 1  # the plan of the first step was compiled (a no-op launch under the interpreter)
+
+    def fail(plan: object) -> None:
+        raise RuntimeError("ptxas: out of registers")
+
+    monkeypatch.setattr(triton_plan.TritonPlan, "compile", fail)
+    before = {name: p.detach().clone() for name, p in params}
+    state = {(name, k): v.clone() for name, p in params for k, v in opt.state[p].items()}
+    for (_, p), g in zip(params, _grads(params, 4)):
+        p.grad = g  # new gradient tensors: a new plan
+    with pytest.raises(gefen.StepError, match="could not be built or compiled: RuntimeError: ptxas.*Nothing was"):
+        opt.step()
+    assert all(torch.equal(before[name], p) for name, p in params)
+    assert all(torch.equal(state[name, k], v) for name, p in params for k, v in opt.state[p].items())
+    assert opt.global_step == 1

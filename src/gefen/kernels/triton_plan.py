@@ -258,27 +258,61 @@ class TritonPlan:
             )
         flags = torch.empty(self.n_jobs, dtype=torch.int32, device=device)
         applied = torch.empty((), dtype=torch.int32, device=device)
-        codebook, lut, thresholds = self._tables
-        options = {"enable_fp_fusion": False}
-        stat_count = self._stat_items if check else self._factored_items
-        if stat_count:
-            kernels.stats_kernel[(stat_count,)](
-                t["stat_items"], t["meta"], t["addrs"], t["bounds"], t["chunk_ok"], t["row_part"], t["col_part"],
-                t["seq"], t["bad"], CHECK=check, RB=_STAT_RB, CB=_STAT_CB, TILE=_TILE, **options,
-            )  # fmt: skip
-        kernels.finalize_kernel[(self.n_jobs,)](
-            t["meta"], t["addrs"], groups, t["consts"], t["chunk_ok"], flags, applied, t["row_part"], t["col_part"],
-            t["row_root"], t["col_root"], t["seq"], t["bad"], CHECK=check, TB=_FINALIZE_TILE, **options,
-        )  # fmt: skip
-        width = len(kernels.UPDATE_ITEM_FIELDS)
-        for k, launch in enumerate(self._launches):
-            kernels.update_kernel[(launch.count,)](
-                t["update_items"][launch.start * width :], t["meta"], t["addrs"], t["consts"], codebook, lut,
-                thresholds, t["row_root"], t["col_root"], applied, t["seq"], ADVANCE=k == 0, PB=launch.lanes,
-                BB=launch.blocks, LOOP=launch.loop, STEPS=self._steps, **options,
-            )  # fmt: skip
+        for kernel, grid, args, options in self._launches_of(groups, check, flags, applied):
+            kernel[grid](*args, **options)
         self.applied = applied
         return flags
+
+    def compile(self) -> None:
+        """Compile every kernel of :meth:`run`, with and without the check, for this plan's arguments, without
+        launching anything: a kernel that cannot be built for this device fails here, before the optimizer writes
+        anything (Triton's JIT would otherwise compile at the first launch, half-way through a step). Compiled
+        kernels are cached by Triton (in memory and on disk), so later plans of the same shapes compile nothing. Under
+        the interpreter it is a no-op.
+
+        Raises:
+            Exception: whatever Triton's compiler raised.
+        """
+        device = self._t["meta"].device
+        groups = torch.zeros(self._max_group + 1, len(GROUP_FIELDS), dtype=torch.float64, device=device)
+        flags = torch.empty(self.n_jobs, dtype=torch.int32, device=device)
+        applied = torch.empty((), dtype=torch.int32, device=device)
+        for check in (False, True):
+            for kernel, grid, args, options in self._launches_of(groups, check, flags, applied):
+                kernel.warmup(*args, grid=grid, **options)
+
+    def _launches_of(
+        self, groups: Tensor, check: bool, flags: Tensor, applied: Tensor
+    ) -> list[tuple[object, tuple[int], tuple[object, ...], dict[str, object]]]:
+        """The kernel launches of one run: ``(kernel, grid, positional arguments, keyword arguments)``."""
+        t = self._t
+        codebook, lut, thresholds = self._tables
+        fp = {"enable_fp_fusion": False}
+        launches: list[tuple[object, tuple[int], tuple[object, ...], dict[str, object]]] = []
+        stat_count = self._stat_items if check else self._factored_items
+        if stat_count:
+            launches.append((
+                kernels.stats_kernel, (stat_count,),
+                (t["stat_items"], t["meta"], t["addrs"], t["bounds"], t["chunk_ok"], t["row_part"], t["col_part"],
+                 t["seq"], t["bad"]),
+                {"CHECK": check, "RB": _STAT_RB, "CB": _STAT_CB, "TILE": _TILE, **fp},
+            ))  # fmt: skip
+        launches.append((
+            kernels.finalize_kernel, (self.n_jobs,),
+            (t["meta"], t["addrs"], groups, t["consts"], t["chunk_ok"], flags, applied, t["row_part"], t["col_part"],
+             t["row_root"], t["col_root"], t["seq"], t["bad"]),
+            {"CHECK": check, "TB": _FINALIZE_TILE, **fp},
+        ))  # fmt: skip
+        width = len(kernels.UPDATE_ITEM_FIELDS)
+        for k, launch in enumerate(self._launches):
+            launches.append((
+                kernels.update_kernel, (launch.count,),
+                (t["update_items"][launch.start * width :], t["meta"], t["addrs"], t["consts"], codebook, lut,
+                 thresholds, t["row_root"], t["col_root"], applied, t["seq"]),
+                {"ADVANCE": k == 0, "PB": launch.lanes, "BB": launch.blocks, "LOOP": launch.loop, "STEPS": self._steps,
+                 **fp},
+            ))  # fmt: skip
+        return launches
 
 
 def _signature(jobs: list[TritonJob]) -> list[tuple[object, ...]]:

@@ -125,18 +125,21 @@ class TritonBackend:
                 while len(self._prepared) >= _MAX_PLANS:
                     self._prepared.pop(next(iter(self._prepared)))
                 self._prepared[key] = prepared
-        except ValueError as exc:
+        except Exception as exc:  # a plan's check (ValueError) or Triton's compiler: nothing was written yet
             self._prepared.pop(key, None)
             if any(context.strict(job, self.name) for job in jobs):
                 raise StepError(
-                    f"{context.kind}(backend='triton'): the step's plan could not be built: {exc}. Nothing was "
-                    "changed; pass backend='auto' or backend='eager'."
+                    f"{context.kind}(backend='triton'): the step's plan could not be built or compiled: "
+                    f"{type(exc).__name__}: {exc}. Nothing was changed; pass backend='auto' or backend='eager'."
                 ) from exc
             if not self._warned:
                 self._warned = True
                 from gefen._warnings import warn_user
 
-                warn_user(f"{context.kind}: the Triton step could not be planned ({exc}); using the eager step.")
+                warn_user(
+                    f"{context.kind}: the Triton step could not be planned or compiled ({type(exc).__name__}: {exc}); "
+                    "using the eager step for these parameters (same results, slower)."
+                )
             return list(jobs)
         host = torch.tensor(rows, dtype=torch.float64)
         prepared.groups = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
@@ -171,6 +174,7 @@ class TritonBackend:
             tj.counter = mirror[i : i + 1]
         codebook, lut, thresholds = table.codebook, table.lut, table.thresholds  # type: ignore[attr-defined]
         plan = triton_plan.build_plan(triton_jobs, codebook, lut, thresholds, table.steps)  # type: ignore[attr-defined]
+        plan.compile()  # Triton's JIT now, not at the first launch half-way through the step
         return _Prepared(plan, mirror, outs)
 
     def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:

@@ -243,7 +243,6 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._backends = Backends()  # this optimizer's backend instances (compiled kernels, device plans)
         self._shards: dict[int, RowShard | None] = {}
         self._pending_codebook: Tensor | None = None
-        self._warned_fallback = False
         self._warned_native = False
         self._pending_check: PendingCheck | None = None  # a step decided on the device, not yet settled
 
