@@ -407,9 +407,9 @@ class Gefen(GefenOptimizer):
                     "explicitly (backend=...) would raise instead."
                 )
             elif requested != "auto" and reason:
-                if job.shard is not None or name == "compiled":  # sharded: eager; compiled: refused in prepare
-                    name = "eager" if job.shard is not None else name
-                else:
+                if job.shard is not None:
+                    name = "eager"  # this rank's rows of a sharded parameter step eagerly where the backend cannot
+                elif name != "compiled":  # the compiled backend refuses in prepare, with its fused=True messages
                     raise StepError(
                         f"{self.kind}(backend={requested!r}): {job.name} cannot run on it: {reason}. Nothing was "
                         "changed; pass backend='auto' or backend='eager'."
