@@ -4,9 +4,10 @@
 * ``"native"`` (:mod:`gefen.kernels.native_step`, library :mod:`gefen.kernels.native`): C with SIMD and run-time CPU
   dispatch, torch's OpenMP threads, no compile time; the CPU default.
 * ``"compiled"`` (:mod:`gefen.kernels.compiled`): ``torch.compile``\\ d graphs per parameter signature (inductor C++
-  on CPU, Triton on CUDA); the CUDA default (unless ``GEFEN_FUSED=0``).
+  on CPU, Triton on CUDA); on CUDA where the Triton step cannot run (unless ``GEFEN_FUSED=0``).
 * ``"triton"`` (:mod:`gefen.kernels.triton_step`): hand-written multi-tensor Triton kernels for CUDA, a device-side
-  plan so that a steady step's host work does not grow with the number of parameters.
+  plan so that a steady step's host work does not grow with the number of parameters; the CUDA default once its
+  self-check passed on the device (:mod:`gefen.kernels.triton_check`).
 
 Every backend gives codes and magnitudes bit-identical to the reference; second moments (and through them the
 parameters) may differ by the summation order of their sums, a few ulps (the tests state the bound). Per-step

@@ -61,7 +61,7 @@ REGISTRY: dict[str, str] = {
 #: What ``backend="auto"`` tries, per device type, in order (the eager backend takes the rest).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("native",),
-    "cuda": ("compiled",),
+    "cuda": ("triton", "compiled"),  # the compiled backend where Triton is missing or failed its self-check
 }
 #: The accepted ``backend`` option values.
 BACKENDS = ("auto", *REGISTRY)

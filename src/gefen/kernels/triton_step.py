@@ -18,7 +18,10 @@ momenta: the parts run one after another and each consumes its ``m̂`` before th
 the persistent cost stays that of one part, not 4 bytes per parameter.
 
 Triton ships with torch's CUDA wheels (no compiler, no compile step for users beyond Triton's own JIT cache). On the
-CPU the backend runs only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests).
+CPU the backend runs only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests). Before a device is trusted,
+:mod:`gefen.kernels.triton_check` steps a fixed problem on it against the eager reference (once per device and
+process); a device that fails it is not supported (``backend="auto"`` moves on to the next backend, an explicit
+``backend="triton"`` refuses with the reason).
 """
 
 from __future__ import annotations
@@ -89,7 +92,13 @@ class TritonBackend:
             return "the parameter is sharded (the Triton step runs on plain tensors)"
         if param.device.type != "cuda" and not (param.device.type == "cpu" and _interpreted()):
             return f"the parameter is on {param.device.type} (the Triton backend runs on CUDA)"
-        return dtype_reason(param, grad_dtype, _DTYPES, self.name)
+        reason = dtype_reason(param, grad_dtype, _DTYPES, self.name)
+        if reason:
+            return reason
+        from gefen.kernels.triton_check import device_verdict
+
+        verdict = device_verdict(param.device)  # once per device and process (gefen.kernels.triton_check)
+        return f"its self-check on this device failed: {verdict}" if verdict else ""
 
     def prepare(self, jobs: list[StepJob], context: StepContext) -> list[StepJob]:
         """Build (or reuse) the plan of ``jobs`` and this step's group table; no write to any state.
