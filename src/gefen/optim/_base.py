@@ -48,7 +48,8 @@ __all__ = ["GefenOptimizer", "StepSkip", "WorkItem", "iter_named_params"]
 
 def _live_metadata(optimizer: GefenOptimizer) -> dict[str, Any]:
     """The metadata entry ``state_dict()`` writes for ``optimizer`` now."""
-    stateful = sum(1 for g in optimizer.param_groups for p in g["params"] if STEP in optimizer.state.get(p, ()))
+    distinct = {id(p): p for g in optimizer.param_groups for p in g["params"]}  # a repeated group counts once
+    stateful = sum(1 for p in distinct.values() if STEP in optimizer.state.get(p, ()))
     meta = build_metadata(
         optimizer.kind,
         optimizer._codebook,
@@ -80,10 +81,12 @@ def _add_placeholders(optimizer: GefenOptimizer, state_dict: dict[str, Any]) -> 
     state" (case 003).
     """
     index = 0
+    seen: set[int] = set()  # a parameter listed again keeps its first index, as torch numbers it
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if STEP not in optimizer.state.get(p, ()):  # also an empty entry a mere read of the defaultdict made
+            if id(p) not in seen and STEP not in optimizer.state.get(p, ()):  # also an empty entry a mere read made
                 state_dict["state"][index] = placeholder_state(optimizer._second_moment_kind(p, group))
+            seen.add(id(p))
             index += 1
 
 
