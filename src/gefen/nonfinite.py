@@ -141,6 +141,10 @@ class PendingCheck:
         event.record()
         return cls(host, tuple(names), counters, event)
 
+    def ready(self) -> bool:
+        """Whether :meth:`outcome` would return without waiting for the device."""
+        return self.event is None or bool(self.event.query())
+
     def outcome(self) -> tuple[str, ...]:
         """Wait for the flags (only for the step's own check, not for later work) and return the names of the
         unusable gradients; empty when the step was applied. Advances the counters when it was."""

@@ -353,6 +353,9 @@ class _NotYet:
     def __init__(self) -> None:
         self.waited = 0
 
+    def query(self) -> bool:
+        return False  # not yet arrived: a step that needs the host counters must wait (synchronize) for it
+
     def synchronize(self) -> None:
         self.waited += 1
 

@@ -8,6 +8,8 @@ decided on the device changing nothing, and no host read in a steady step.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -199,3 +201,79 @@ def test_triton_compile_failure_refuses_the_step_before_any_write(monkeypatch: p
     assert all(torch.equal(before[name], p) for name, p in params)
     assert all(torch.equal(state[name, k], v) for name, p in params for k, v in opt.state[p].items())
     assert opt.global_step == 1
+
+
+class _SlowEvent:
+    """Stands in for the CUDA event of a pending check whose flags have not arrived yet (the CPU has no events)."""
+
+    arrived = False
+
+    def query(self) -> bool:
+        return _SlowEvent.arrived
+
+    def synchronize(self) -> None:
+        _SlowEvent.arrived = True
+
+
+@pytest.mark.parametrize("moved", [False, True, "dropped"])
+def test_triton_steps_do_not_wait_for_earlier_device_decisions(monkeypatch: pytest.MonkeyPatch, moved: object) -> None:
+    """Under ``nonfinite="skip"`` a steady Triton step starts without waiting for the previous steps' flags (their
+    counters are the plan's device copies): three steps, the middle one with a NaN, run while no flag has arrived;
+    they settle in order when the host looks, and the training equals one in which every step was settled at once
+    (the NaN step skipped, its counters not advanced, the step after it using t = 3). No step reads the device.
+    ``moved``: new gradient tensors every step, so each step rebuilds its plan from the previous plan's device
+    counters (not the lagging host ones). ``"dropped"``: the last step leaves one parameter without a gradient, a new
+    batch whose plan starts from the host counters, once the pending steps are settled."""
+    from gefen.nonfinite import PendingCheck
+
+    original = PendingCheck.of.__func__  # type: ignore[attr-defined]
+
+    def slow(cls, flags, names, counters):  # type: ignore[no-untyped-def]
+        pending = original(cls, flags, names, counters)
+        pending.event = _SlowEvent()
+        return pending
+
+    runs = {}
+    for deferred in (False, True):
+        params, opt = _train("triton", 2, nonfinite="skip")
+        if deferred:
+            monkeypatch.setattr(PendingCheck, "of", classmethod(slow))
+            _SlowEvent.arrived = False
+        for step in (3, 4, 5):
+            grads = _grads(params, step)
+            if step == 4:
+                grads[0][1, 1] = float("nan")
+            for (_, p), g in zip(params, grads):
+                if moved == "dropped" and step == 5 and p is params[-1][1]:
+                    p.grad = None
+                elif moved:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)  # the same gradient tensors: the plan is reused
+            if deferred:
+                settles = moved == "dropped" and step == 5  # the new batch's plan settles the NaN step first
+                with _HostReads() as mode, pytest.warns(UserWarning, match="weight") if settles else nullcontext():
+                    opt.step()
+                assert moved or mode.reads == 0, f"step {step}: {mode.reads} host reads"
+            elif step != 4:
+                opt.step()
+            else:
+                with pytest.warns(UserWarning, match="weight"):
+                    opt.step()
+        if deferred and moved == "dropped":
+            assert len(opt._pending_checks) == 1  # settled before the new batch's plan read the host counters
+            assert _SlowEvent.arrived
+        elif deferred:
+            assert len(opt._pending_checks) == 3  # nothing has waited for the device
+            assert all(int(opt.state[p]["step"]) == 2 for _, p in params)  # the host counters lag
+            with pytest.warns(UserWarning, match="weight") if moved != "dropped" else nullcontext():
+                assert opt.skipped_steps == 1  # the host looks: all settled, oldest first
+            monkeypatch.undo()
+        assert opt.skipped_steps == 1 and opt.global_step == 4
+        runs[deferred] = (params, opt)
+    last = 3 if moved == "dropped" else 4
+    (a, oa), (b, ob) = runs[False], runs[True]
+    for (_, p), (_, q) in zip(a, b):
+        assert torch.equal(p, q)
+        assert all(torch.equal(oa.state[p][k], ob.state[q][k]) for k in oa.state[p])
+    assert [int(ob.state[q]["step"]) for _, q in b] == [4] * (len(b) - 1) + [last]

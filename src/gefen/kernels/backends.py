@@ -133,11 +133,15 @@ class StepContext:
         kind: the optimizer's class name (for messages).
         table: the nearest-code table of the step's codebook on a device (built once per device and codebook).
         deterministic: the optimizer's ``deterministic`` flag.
+        settle: settles every step still pending (:meth:`gefen.nonfinite.PendingCheck.outcome`), so that the
+            optimizer's host step counters are current: a backend that keeps its own device counters
+            (``device_counters = True``, the Triton one) calls it before it reads them for a new plan.
     """
 
     kind: str
     table: Callable[[torch.device], NearestCodeTable]
     deterministic: bool = False
+    settle: Callable[[], object] = lambda: None
 
     @staticmethod
     def strict(job: StepJob, name: str) -> bool:
@@ -172,6 +176,9 @@ class StepBackend(Protocol):
     #: It can apply the ``nonfinite`` check itself: ``"host"`` (inside its own pass, refusing before any write),
     #: ``"device"`` (decided on the device without a host read), or ``""`` (not at all).
     checks: str
+    #: Optional (default ``False``): its steps read their step counters from device copies it keeps, not from the
+    #: optimizer's host counters, so a step may start while an earlier device decision is still unsettled.
+    device_counters: bool
 
     def available(self) -> str:
         """Why this backend cannot run in this process at all (a missing library or package; empty: it can)."""

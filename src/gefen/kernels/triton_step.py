@@ -58,7 +58,9 @@ class _Prepared:
         self.plan = plan
         self.mirror = mirror
         self.outs = outs
-        self.groups: Tensor | None = None
+        self.groups: Tensor | None = None  # this step's table, set by prepare, consumed by run
+        self.table: Tensor | None = None  # the device group table of ``rows``, kept while they do not change
+        self.rows: list[list[float]] = []
         self.copies: list[tuple[Tensor, Tensor]] = []
 
 
@@ -71,6 +73,7 @@ class TritonBackend:
 
     name = "triton"
     checks = "device"
+    device_counters = True  # a plan's mirror advances on the device; the host's counters follow when settled
 
     def __init__(self) -> None:
         self._prepared: dict[tuple[int, ...], _Prepared] = {}
@@ -129,7 +132,8 @@ class TritonBackend:
             triton_jobs.append(_triton_job(job, row, outs[i], counter, copies))
         try:
             if prepared is None or not prepared.plan.matches(triton_jobs):  # type: ignore[attr-defined]
-                prepared = self._build(jobs, triton_jobs, outs, context.table(device))
+                old = prepared.mirror if prepared is not None else None
+                prepared = self._build(jobs, triton_jobs, outs, context, old)
                 self._prepared.pop(key, None)
                 while len(self._prepared) >= _MAX_PLANS:
                     self._prepared.pop(next(iter(self._prepared)))
@@ -150,8 +154,11 @@ class TritonBackend:
                     "using the eager step for these parameters (same results, slower)."
                 )
             return list(jobs)
-        host = torch.tensor(rows, dtype=torch.float64)
-        prepared.groups = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+        if prepared.rows != rows or prepared.table is None:  # a new plan, or a hyperparameter changed
+            host = torch.tensor(rows, dtype=torch.float64)
+            prepared.table = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+            prepared.rows = rows
+        prepared.groups = prepared.table  # unchanged hyperparameters: no copy to the device (capturable)
         prepared.copies = copies
         return []
 
@@ -173,12 +180,24 @@ class TritonBackend:
             offset += size
         return views
 
-    def _build(self, jobs: list[StepJob], triton_jobs: list, outs: list[Tensor | None], table: object) -> _Prepared:
-        """A new plan: device counters copied from the optimizer's (host counters: no device read)."""
+    def _build(
+        self,
+        jobs: list[StepJob],
+        triton_jobs: list,
+        outs: list[Tensor | None],
+        context: StepContext,
+        mirror: Tensor | None,
+    ) -> _Prepared:
+        """A new plan. Its device counters: ``mirror``, those of the batch's previous plan (the same parameters in
+        the same order, current on the device whatever is still unsettled), else copied from the optimizer's host
+        counters once every pending step is settled (no device read when none is)."""
         from gefen.kernels import triton_plan
 
         device = jobs[0].target.device
-        mirror = torch.tensor([int(job.state[STEP]) for job in jobs], dtype=torch.int64).to(device)
+        table = context.table(device)
+        if mirror is None or mirror.numel() != len(jobs):
+            context.settle()
+            mirror = torch.tensor([int(job.state[STEP]) for job in jobs], dtype=torch.int64).to(device)
         for i, tj in enumerate(triton_jobs):
             tj.counter = mirror[i : i + 1]
         codebook, lut, thresholds = table.codebook, table.lut, table.thresholds  # type: ignore[attr-defined]

@@ -37,6 +37,7 @@ from gefen.state import (
     STEP,
     ParamState,
     SecondMomentKind,
+    layout_name,
     placeholder_state,
     state_bytes,
     state_mismatch,
@@ -247,26 +248,32 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._shards: dict[int, RowShard | None] = {}
         self._pending_codebook: Tensor | None = None
         self._warned_native = False
-        self._pending_check: PendingCheck | None = None  # a step decided on the device, not yet settled
+        self._pending_checks: list[PendingCheck] = []  # steps decided on the device, not yet settled, oldest first
 
-    def _settle_pending_check(self) -> bool:
-        """Settle a step whose ``nonfinite="skip"`` decision was taken on the device (see
-        :class:`gefen.nonfinite.PendingCheck`): advance its counters and the global step, or count and warn about
-        the skip. Called wherever the host looks (the next step, ``skipped_steps``, ``global_step``, checkpoints).
+    def _settle_pending_check(self, wait: bool = True) -> bool:
+        """Settle the steps whose ``nonfinite="skip"`` decision was taken on the device (see
+        :class:`gefen.nonfinite.PendingCheck`), oldest first: advance their counters and the global step, or count
+        and warn about the skip. Called wherever the host looks (``skipped_steps``, ``global_step``, checkpoints),
+        and at the start of each step.
+
+        Args:
+            wait: ``True``: settle every pending step, waiting for the device where needed. ``False``: settle only
+                those whose flags have arrived (:meth:`~gefen.nonfinite.PendingCheck.ready`) and stop at the first
+                that has not: no host wait (a steady Triton step; its counters are on the device).
 
         Returns:
-            ``False`` when the pending step was skipped; ``True`` otherwise (also when there was none).
+            ``False`` when the last step settled was skipped; ``True`` otherwise (also when there was none).
         """
-        pending = self.__dict__.get("_pending_check")
-        if pending is None:
-            return True
-        self._pending_check = None
-        bad = pending.outcome()
-        if bad:
-            self._record_skip(StepSkip(nonfinite=True, names=bad))
-            return False
-        self._advance_global_step()
-        return True
+        pending = self.__dict__.setdefault("_pending_checks", [])
+        applied = True
+        while pending and (wait or pending[0].ready()):
+            bad = pending.pop(0).outcome()
+            if bad:
+                self._record_skip(StepSkip(nonfinite=True, names=bad))
+            else:
+                self._advance_global_step()
+            applied = not bad
+        return applied
 
     @property
     def compile_time_s(self) -> float:
@@ -452,7 +459,8 @@ class GefenOptimizer(torch.optim.Optimizer):
                     f"{self.kind}: gradient of {name} is on {grad.device}, the parameter on {device}; move them "
                     "together."
                 )
-            problem = state_mismatch(local_state(self.state.get(param, {})), tuple(p.shape), device)
+            # the global shapes (a sharded state's DTensors report theirs): rows and blocks alike (gefen.sharding)
+            problem = state_mismatch(self.state.get(param, {}), tuple(param.shape), device)
             if problem is not None:
                 raise StepError(
                     f"{self.kind}: the state of {name} no longer fits the parameter ({problem}); nothing was "
@@ -739,8 +747,10 @@ class GefenOptimizer(torch.optim.Optimizer):
 
         Returns:
             One dict per parameter: ``name`` (str), ``shape`` (tuple), ``numel`` (int), ``period`` (int or
-            ``None`` before its first update), ``second_moment`` (``"block"``, ``"factored"`` or ``None``),
-            ``state_bytes`` (int, bytes).
+            ``None`` before its first update), ``second_moment`` (``"block"``, ``"factored"``, ``"momentum"``
+            (GefenMuon) or ``None``), ``layout`` (str or ``None``: ``"factored"``, ``"blocks"``, ``"blocks
+            (flattened: degenerate shape)"`` for a shape whose rows are too short to hold a block, see
+            :func:`gefen.state.layout_name`), ``state_bytes`` (int, bytes; this rank's, when sharded).
         """
         self._settle_pending_check()
         rows = []
@@ -749,6 +759,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             view = ParamState.from_dict(local_state(st)) if STEP in st else None
             period = None if view is None else view.period
             kind = None if view is None else view.kind
+            layout = None if view is None else layout_name(tuple(p.shape), view.period, view.kind)
             rows.append(
                 {
                     "name": name,
@@ -756,6 +767,7 @@ class GefenOptimizer(torch.optim.Optimizer):
                     "numel": p.numel(),
                     "period": period,
                     "second_moment": kind,
+                    "layout": layout,
                     "state_bytes": state_bytes(st),
                 }
             )

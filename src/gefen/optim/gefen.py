@@ -29,10 +29,15 @@ from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
 from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
 from gefen.sharding import (
+    BlockShard,
+    block_job_tensors,
     init_sharded_state,
     local_state,
+    state_shard,
+    write_rows_,
 )
 from gefen.state import (
+    FIRST_MOMENT_CODES,
     STEP,
     ParamState,
     SecondMomentKind,
@@ -278,7 +283,7 @@ class Gefen(GefenOptimizer):
         """checks -> first step (periods, codebook) -> backends chosen and prepared -> publish -> backends run."""
         check_capture(self)
         check_not_inference(self.kind)
-        self._settle_pending_check()  # the previous step, if it was decided on the device
+        self._settle_pending_check(wait=False)  # earlier steps decided on the device whose flags have arrived
         loss, plan, skip, deferred = self._preflight(closure)  # deferred: the policy is applied below
         if skip is not None:  # GradScaler overflow or NaN/Inf under nonfinite="skip": nothing changes
             self._record_skip(skip)
@@ -306,6 +311,8 @@ class Gefen(GefenOptimizer):
         self._pending_codebook = codebook
         try:
             parts = self._dispatch(jobs) if jobs and not self.capturable else []
+            if any(not getattr(b, "device_counters", False) for part in parts for b, _ in part):
+                self._settle_pending_check()  # a backend that reads the host's step counters: bring them up to date
             check, bad = self._step_check(parts, deferred)
         finally:
             self._pending_codebook = None
@@ -365,7 +372,12 @@ class Gefen(GefenOptimizer):
                 if scalars is None:
                     scalars = self._step_scalars(group)
                 local = local_state(state)
-                jobs.append(StepJob(item.name, item.param, item.target, item.grad, local, group, scalars, item.shard))
+                target, grad, shard = item.target, item.grad, item.shard
+                if shard is not None:  # blocks straddling rows step on this rank's blocks (gefen.sharding)
+                    shard = state_shard(shard, local[FIRST_MOMENT_CODES].shape[-1])
+                    if isinstance(shard, BlockShard):
+                        target, grad = block_job_tensors(item.param, item.grad, shard)
+                jobs.append(StepJob(item.name, item.param, target, grad, local, group, scalars, shard))
         return jobs
 
     def _step_scalars(self, group: Mapping[str, Any]) -> StepScalars:
@@ -376,7 +388,7 @@ class Gefen(GefenOptimizer):
         def table(device: torch.device) -> NearestCodeTable:
             return self._nearest_table(device, self._pending_codebook)
 
-        return StepContext(self.kind, table, self.deterministic)
+        return StepContext(self.kind, table, self.deterministic, self._settle_pending_check)
 
     def _dispatch(self, jobs: list[StepJob]) -> list[list[tuple[Any, list[StepJob]]]]:
         """Choose every job's backend (:class:`gefen.kernels.backends.Backends`, the one dispatch point) and
@@ -479,7 +491,8 @@ class Gefen(GefenOptimizer):
                 self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(outcome.unusable))))
                 return "refused"
             if outcome.pending is not None:
-                self._pending_check, status = outcome.pending, "pending"
+                self._pending_checks.append(outcome.pending)
+                status = "pending"
                 if outcome.left or outcome.pending.event is None:  # decide now: the eager rest must not run on NaN
                     if not self._settle_pending_check():
                         return "refused"  # skipped: every kernel write was masked, and nothing else has run
@@ -489,7 +502,11 @@ class Gefen(GefenOptimizer):
         return status
 
     def _finish_jobs(self, jobs: list[StepJob]) -> None:
-        """Subclass hook: what follows the backends' update (GefenMuon: Newton–Schulz and the parameter write)."""
+        """What follows the backends' update: a parameter sharded by blocks writes its rows from every rank's
+        updated blocks (:func:`gefen.sharding.write_rows_`). GefenMuon: Newton–Schulz and the parameter write."""
+        for job in jobs:
+            if isinstance(job.shard, BlockShard):
+                write_rows_(job.param, job.target, job.shard)
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
