@@ -355,3 +355,73 @@ def test_cuda_triton_backend_benchmark_row_runs():
         opt.step()
         opt.zero_grad()
     assert opt.global_step == 3 and opt.state_bytes() / sum(p.numel() for p in model.parameters()) < 1.1
+
+
+def test_cuda_triton_self_check_passes_and_auto_takes_triton():
+    """The device self-check (gefen.kernels.triton_check) passes on this GPU, so ``backend="auto"`` steps on Triton."""
+    from gefen.kernels import triton_check
+    from gefen.kernels.backends import Backends
+
+    assert triton_check.self_check(torch.device("cuda")) == ""
+    p = torch.nn.Parameter(torch.randn(64, 48, device="cuda"))
+    assert Backends().choose("auto", p, torch.float32, False) == ("triton", "")
+
+
+def test_cuda_multi_tensor_usable_check_equals_the_per_gradient_one():
+    """The CUDA form of the gradient check (foreach reductions; NaN caught whether or not the max propagates it)."""
+    from gefen.amp import _usable, usable_bound, usable_flags
+
+    grads = []
+    for numel in (1, 1000):
+        bound = torch.tensor(usable_bound(numel), dtype=torch.float32)
+        for value in (bound, torch.nextafter(bound, torch.tensor(float("inf")))):
+            g = torch.zeros(numel)
+            g[numel // 2] = value
+            grads.append(g)
+    for bad in (float("nan"), float("inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            g = torch.randn(4096).to(dtype)
+            g[4000] = bad
+            grads.append(g)
+    grads += [torch.full((5,), 6.0e4, dtype=torch.float16), torch.randn(7, dtype=torch.float64)]
+    expected = [bool(_usable(g)) for g in grads]
+    assert usable_flags([g.cuda() for g in grads]).cpu().tolist() == expected
+
+
+def test_cuda_graph_capture_of_a_triton_skip_step_replays_and_skips_on_the_device():
+    """``capturable=True, nonfinite="skip"`` on Triton: a captured step replays with new gradients written in place;
+    a replay with a NaN gradient changes nothing and is counted on the device, reported when the host looks; the
+    parameters follow an eager twin that never saw the NaN replay."""
+    model, twin = _cuda_model(), _cuda_model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2, capturable=True, nonfinite="skip", backend="triton")
+    twin_opt = gefen.Gefen(twin.named_parameters(), lr=1e-2, capturable=True, nonfinite="skip", backend="triton")
+    for s in range(2):
+        for m, o in ((model, opt), (twin, twin_opt)):
+            _cuda_grads(m, s)
+            o.step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for s in range(2, 6):
+        _cuda_grads(model, s)
+        if s == 3:
+            before = [p.detach().clone() for p in model.parameters()]
+            next(model.parameters()).grad[0, 0] = float("nan")
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            continue
+        graph.replay()
+        _cuda_grads(twin, s)
+        twin_opt.step()
+    torch.cuda.synchronize()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    with pytest.warns(UserWarning, match=r"1 step\(s\) were skipped on the device"):
+        assert opt.skipped_steps == 1
+    assert opt.global_step == 5 == twin_opt.global_step

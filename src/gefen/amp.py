@@ -16,6 +16,7 @@ the ordinary path (where Accelerate/Trainer also see ``step_was_skipped``). Sour
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -154,13 +155,52 @@ def _usable(grad: Tensor) -> Tensor:
 def usable_flags(grads: Sequence[Tensor]) -> Tensor:
     """Per gradient, whether it is usable (finite and within :func:`usable_bound`), without a host read.
 
+    On CUDA a fixed number of multi-tensor launches per dtype, whatever the number of gradients
+    (:func:`usable_flags_multi_tensor`); elsewhere one fused min/max reduction per gradient (no temporary).
+
     Args:
         grads: gradients on one device (any dtypes and shapes; at least one).
 
     Returns:
         (len(grads),) bool on that device (a step can act on it on the device, see :data:`gefen.kernels.fused.APPLY`).
     """
+    if grads[0].device.type == "cuda":
+        return usable_flags_multi_tensor(grads)
     return torch.stack([_usable(g) for g in grads])
+
+
+def usable_flags_multi_tensor(grads: Sequence[Tensor]) -> Tensor:
+    """:func:`usable_flags` by torch's multi-tensor reductions: per dtype, the largest magnitude of every gradient
+    (``_foreach_norm(ord=inf)``) compared with its :func:`usable_bound` (``peak - fp32(bound) <= 0``: exact, a
+    difference of two floats keeps its sign) and the sum of magnitudes (``ord=1``, in fp32 at least) required
+    finite. The second
+    guard makes the result independent of whether the max reduction propagates NaN (C's ``fmax`` does not): a NaN
+    or Inf anywhere makes the sum NaN/Inf, while a usable gradient's sum stays below ``1.9e19·sqrt(N)``, finite.
+    Same answers as the per-gradient reduction (tests/test_amp.py compares them at the bounds).
+
+    Args:
+        grads: gradients on one device (any dtypes and shapes; at least one).
+
+    Returns:
+        (len(grads),) bool on that device.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    flags: list[Tensor] = [grads[0]] * len(grads)  # placeholders, each replaced below
+    for i, g in enumerate(grads):
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(i)
+        else:  # nothing to check (and no identity for the max of nothing)
+            flags[i] = torch.ones((), dtype=torch.bool, device=g.device)
+    for indices in by_dtype.values():
+        tensors = [grads[i].detach() for i in indices]
+        bounds = [struct.unpack("f", struct.pack("f", usable_bound(t.numel())))[0] for t in tensors]  # fp32(bound)
+        margins = torch._foreach_sub(torch._foreach_norm(tensors, float("inf")), bounds)
+        wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # fp16's sum would overflow
+        totals = torch._foreach_norm(tensors, 1, dtype=wide)
+        ok = (torch.stack(margins) <= 0) & torch.stack(totals).isfinite()
+        for j, i in enumerate(indices):
+            flags[i] = ok[j]
+    return flags[0].reshape(1) if len(flags) == 1 else torch.stack(flags)  # in the gradients' order
 
 
 def unusable_names(named_grads: Sequence[tuple[str, Tensor]]) -> list[str]:

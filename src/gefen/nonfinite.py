@@ -45,7 +45,9 @@ NONFINITE_POLICIES = ("skip", "raise", "propagate")
 _OLD_NAMES = {"ignore": "propagate"}
 
 
-def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, capturable: bool) -> str:
+def resolve_nonfinite(
+    kind: str, nonfinite: object, deterministic: bool, capturable: bool, skips_on_device: bool = False
+) -> str:
     """The effective ``nonfinite`` policy of an optimizer, validated against the other policies.
 
     Args:
@@ -54,6 +56,8 @@ def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, captura
             ``"propagate"``, warns ``FutureWarning``) or ``None`` (``"raise"`` under ``deterministic=True``,
             ``"propagate"`` under ``capturable=True``, else ``"skip"``).
         deterministic, capturable: the optimizer's other policies.
+        skips_on_device: the optimizer can decide ``"skip"`` on the device with its counters there (``Gefen`` on the
+            Triton backend), so ``capturable=True`` may take ``nonfinite="skip"``.
 
     Returns:
         ``"skip"``, ``"raise"`` or ``"propagate"``.
@@ -81,12 +85,13 @@ def resolve_nonfinite(kind: str, nonfinite: object, deterministic: bool, captura
             f"{kind}(deterministic=True) refuses to let non-finite gradients through (a NaN step is not a "
             "reproducible step); use nonfinite='raise' (the default there) or 'skip', or pass deterministic=False."
         )
-    if capturable and policy != "propagate":
+    if capturable and policy != "propagate" and not (policy == "skip" and skips_on_device and not deterministic):
         why = policy_name(deterministic) if policy == "raise" else "nonfinite='skip'"
         raise ConfigError(
             f"{kind}(capturable=True) cannot honour {why}: deciding on NaN/Inf gradients needs a host read in "
             "step(), which a captured graph cannot run. Use capturable=False, or capturable=True with "
-            "deterministic=False and nonfinite=None (use torch.amp.GradScaler to skip overflow steps)."
+            "deterministic=False and nonfinite=None (use torch.amp.GradScaler to skip overflow steps)"
+            + (", or nonfinite='skip' (decided on the device by the Triton backend)." if skips_on_device else ".")
         )
     return policy
 

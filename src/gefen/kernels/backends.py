@@ -133,6 +133,8 @@ class StepContext:
         kind: the optimizer's class name (for messages).
         table: the nearest-code table of the step's codebook on a device (built once per device and codebook).
         deterministic: the optimizer's ``deterministic`` flag.
+        capturable: the optimizer's ``capturable`` flag: the step counters are device tensors in the state, which a
+            capturing backend (``captures = True``) advances itself; no host read, no host-side counter.
         settle: settles every step still pending (:meth:`gefen.nonfinite.PendingCheck.outcome`), so that the
             optimizer's host step counters are current: a backend that keeps its own device counters
             (``device_counters = True``, the Triton one) calls it before it reads them for a new plan.
@@ -142,6 +144,7 @@ class StepContext:
     table: Callable[[torch.device], NearestCodeTable]
     deterministic: bool = False
     settle: Callable[[], object] = lambda: None
+    capturable: bool = False
 
     @staticmethod
     def strict(job: StepJob, name: str) -> bool:
@@ -159,6 +162,8 @@ class StepOutcome:
             make on the host (``check="host"``): when not empty, nothing at all was changed.
         left: jobs the backend could not run after all (a compiled kernel that failed inside the step): the
             caller runs them on the eager backend, in this step.
+        applied: under ``capturable=True`` with ``check="device"``: a 0-dim int32 device tensor, 1 when the step was
+            applied (the caller counts it on the device), instead of ``pending``.
         pending: a step decided on the device (``check="device"``): a :class:`gefen.nonfinite.PendingCheck`
             to settle when the host next looks (its counters advanced then, or the skip counted).
     """
@@ -166,6 +171,7 @@ class StepOutcome:
     unusable: list[str] = field(default_factory=list)
     left: list[StepJob] = field(default_factory=list)
     pending: Any = None
+    applied: Tensor | None = None
 
 
 class StepBackend(Protocol):
@@ -179,6 +185,9 @@ class StepBackend(Protocol):
     #: Optional (default ``False``): its steps read their step counters from device copies it keeps, not from the
     #: optimizer's host counters, so a step may start while an earlier device decision is still unsettled.
     device_counters: bool
+    #: Optional (default ``False``): it can run under ``capturable=True`` (no host read, the state's device
+    #: counters advanced by its own kernels, a CUDA graph can capture it).
+    captures: bool
 
     def available(self) -> str:
         """Why this backend cannot run in this process at all (a missing library or package; empty: it can)."""

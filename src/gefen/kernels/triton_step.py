@@ -7,10 +7,12 @@ no host read), the per-step constants (from a (G, 5) float64 group table and dev
 all run on the device. Numerics: those of the eager reference (:mod:`gefen.kernels.eager`), codes and magnitudes
 bit-identical; see :mod:`gefen.kernels.triton_plan` for the rest.
 
-Step counters: the optimizer's counters stay where its state keeps them (the CPU unless ``capturable``); the plan
-holds a device copy of them, built with the plan, that its kernels advance iff a step is applied. The optimizer's
-counters advance on the host at the same time (``check=""``) or when the device decision is settled
-(``check="device"``, :class:`gefen.nonfinite.PendingCheck`), so both always agree once settled.
+Step counters: the optimizer's counters stay where its state keeps them (the CPU unless ``capturable``). Under
+``capturable=True`` they are device tensors and the kernels advance them directly (iff the step is applied), so a steady
+step reads nothing on the host and a CUDA graph can capture it. Otherwise the plan holds a device copy of them, built
+with the plan, that its kernels advance iff a step is applied. The optimizer's counters advance on the host at the same
+time (``check=""``) or when the device decision is settled (``check="device"``, :class:`gefen.nonfinite.PendingCheck`),
+so both always agree once settled.
 
 Plans are cached per batch (a batch is the list of parameters one ``run`` steps; GefenMuon runs its parameters in
 parts, each a batch). GefenMuon's ``m̂`` buffers are views of one arena per device, as large as the largest batch's
@@ -54,7 +56,7 @@ def _interpreted() -> bool:
 class _Prepared:
     """One batch's plan, its device counters, this step's group table and work copies."""
 
-    def __init__(self, plan: object, mirror: Tensor, outs: list[Tensor | None]) -> None:
+    def __init__(self, plan: object, mirror: Tensor | None, outs: list[Tensor | None]) -> None:
         self.plan = plan
         self.mirror = mirror
         self.outs = outs
@@ -74,6 +76,7 @@ class TritonBackend:
     name = "triton"
     checks = "device"
     device_counters = True  # a plan's mirror advances on the device; the host's counters follow when settled
+    captures = True  # capturable=True: the kernels advance the state's device counters, nothing is read on the host
 
     def __init__(self) -> None:
         self._prepared: dict[tuple[int, ...], _Prepared] = {}
@@ -128,7 +131,12 @@ class TritonBackend:
                 row = groups[id(job.scalars)] = len(rows)
                 s = job.scalars
                 rows.append([s.beta1, s.beta2, s.eps, s.lr, s.weight_decay])
-            counter = prepared.mirror[i : i + 1] if prepared is not None and i < prepared.mirror.numel() else None
+            if context.capturable:  # the state's own device counter, advanced by the kernels
+                counter: Tensor | None = job.state[STEP].view(1)
+            elif prepared is not None and prepared.mirror is not None and i < prepared.mirror.numel():
+                counter = prepared.mirror[i : i + 1]
+            else:
+                counter = None
             triton_jobs.append(_triton_job(job, row, outs[i], counter, copies))
         try:
             if prepared is None or not prepared.plan.matches(triton_jobs):  # type: ignore[attr-defined]
@@ -195,11 +203,14 @@ class TritonBackend:
 
         device = jobs[0].target.device
         table = context.table(device)
-        if mirror is None or mirror.numel() != len(jobs):
+        if context.capturable:  # the jobs carry the state's device counters
+            mirror = None
+        elif mirror is None or mirror.numel() != len(jobs):
             context.settle()
             mirror = torch.tensor([int(job.state[STEP]) for job in jobs], dtype=torch.int64).to(device)
-        for i, tj in enumerate(triton_jobs):
-            tj.counter = mirror[i : i + 1]
+        if mirror is not None:
+            for i, tj in enumerate(triton_jobs):
+                tj.counter = mirror[i : i + 1]
         codebook, lut, thresholds = table.codebook, table.lut, table.thresholds  # type: ignore[attr-defined]
         plan = triton_plan.build_plan(triton_jobs, codebook, lut, thresholds, table.steps)  # type: ignore[attr-defined]
         plan.compile()  # Triton's JIT now, not at the first launch half-way through the step
@@ -221,7 +232,9 @@ class TritonBackend:
                 job.out = out.view(job.state[FIRST_MOMENT_CODES].shape)
         counters = [job.state[STEP] for job in jobs]
         outcome = StepOutcome()
-        if check == "device":
+        if context.capturable:  # the kernels advanced the state's counters; the caller counts the decision
+            outcome.applied = prepared.plan.applied if check == "device" else None  # type: ignore[attr-defined]
+        elif check == "device":
             outcome.pending = PendingCheck.of(flags != 0, [job.name for job in jobs], counters)
         else:
             torch._foreach_add_(counters, 1)

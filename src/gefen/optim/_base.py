@@ -148,6 +148,8 @@ class GefenOptimizer(torch.optim.Optimizer):
 
     #: Name written into checkpoints and messages; subclasses override.
     kind: str = "GefenOptimizer"
+    #: Whether ``capturable=True`` may take ``nonfinite="skip"``, decided on the device (Gefen on Triton).
+    _skips_on_device: bool = False
 
     def _init_optimizer(
         self,
@@ -185,7 +187,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         defaults = {**defaults, "backend": backend, "fused": fused}
         self._check_defaults(defaults)
         check_flags(self.kind, {"deterministic": deterministic, "capturable": capturable})
-        self.nonfinite = resolve_nonfinite(self.kind, nonfinite, deterministic, capturable)
+        self.nonfinite = resolve_nonfinite(self.kind, nonfinite, deterministic, capturable, self._skips_on_device)
         self.deterministic = deterministic
         self.capturable = capturable
         check_group(defaults, self.kind)
@@ -204,6 +206,8 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step_t: Tensor | None = (
             torch.zeros((), dtype=torch.int64, device=self._codebook_device()) if capturable else None
         )
+        # capturable=True under nonfinite="skip": steps skipped on the device since the host last looked
+        self._skipped_t: Tensor | None = None if self._global_step_t is None else torch.zeros_like(self._global_step_t)
         self.register_state_dict_post_hook(_add_metadata, prepend=True)
 
     def _check_defaults(self, defaults: Mapping[str, Any]) -> None:
@@ -218,6 +222,7 @@ class GefenOptimizer(torch.optim.Optimizer):
             "_codebook",
             "_global_step",
             "_global_step_t",
+            "_skipped_t",
             "_skipped_steps",
             "deterministic",
             "capturable",
@@ -235,6 +240,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("nonfinite", "propagate")
         self.__dict__.setdefault("_skipped_steps", 0)
         self.__dict__.setdefault("_global_step_t", None)
+        self.__dict__.setdefault("_skipped_t", None)
         for group in self.param_groups:
             group.update(LIVE_GROUP_CARRIERS)
         self._tables = {}
@@ -265,6 +271,8 @@ class GefenOptimizer(torch.optim.Optimizer):
             ``False`` when the last step settled was skipped; ``True`` otherwise (also when there was none).
         """
         pending = self.__dict__.setdefault("_pending_checks", [])
+        if wait:
+            self._fold_device_skips()
         applied = True
         while pending and (wait or pending[0].ready()):
             bad = pending.pop(0).outcome()
@@ -730,6 +738,29 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step = value
         if self._global_step_t is not None:
             self._global_step_t.fill_(value)
+
+    def _count_on_device(self, applied: Tensor) -> None:
+        """``capturable=True``: count a step decided on the device (``applied``: 0-dim int32, 1 when applied) in
+        the device counters, with no host read (a CUDA graph replays it)."""
+        assert self._global_step_t is not None and self._skipped_t is not None
+        self._global_step_t.add_(applied)
+        self._skipped_t.add_(1 - applied)
+
+    def _fold_device_skips(self) -> None:
+        """Move the steps skipped on the device (``capturable=True``) into :attr:`skipped_steps`, with one warning
+        for them (one host read; the parameters are not named: under capture the host saw none of those steps)."""
+        counter = self.__dict__.get("_skipped_t")
+        if counter is None:
+            return
+        skipped = int(counter)
+        if skipped:
+            counter.zero_()
+            self._skipped_steps += skipped
+            warn_user(
+                f"{self.kind}: {skipped} step(s) were skipped on the device because a gradient held NaN/Inf "
+                f"(capturable=True decides there, so the parameters are not named); nothing was changed by them "
+                f"({self._skipped_steps} skipped steps so far, see skipped_steps)."
+            )
 
     def _advance_global_step(self) -> None:
         if self._global_step_t is not None:

@@ -13,7 +13,7 @@ from gefen.amp import unusable_names
 from gefen.checkpoint import StagedLoad
 from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import as_float
-from gefen.kernels.backends import StepContext, StepJob, group_backend
+from gefen.kernels.backends import StepContext, StepJob, StepOutcome, group_backend
 from gefen.kernels.compiled import host_only
 from gefen.kernels.fused import fused_step_, lookup_table_as_float
 from gefen.kernels.native import native_status
@@ -128,14 +128,18 @@ class Gefen(GefenOptimizer):
             ``lr`` is read on device, the global step is a device counter), so ``step()`` makes no host sync after
             its first call and can be traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA graph.
             The first step of a parameter (period search, codebook) is host-driven: run at least one eager
-            step before capturing; a parameter seen for the first time under capture is refused.
+            step before capturing; a parameter seen for the first time under capture is refused. On CUDA the
+            steady step runs on the Triton backend (the state's device counters advanced by its kernels), else
+            parameter by parameter through :func:`gefen.kernels.fused.fused_step_` (what ``torch.compile`` traces).
         nonfinite: what a step does when a gradient holds NaN/Inf (see :mod:`gefen.nonfinite`). ``"skip"`` (the
             default): the step changes nothing at all (parameters, state, codebook, counters, global step), warns
             naming the parameters and counts itself in :attr:`skipped_steps` (saved in checkpoints). ``"raise"``:
             refuse it (``StepError``, nothing changed; the default under ``deterministic=True``).
             ``"propagate"`` (old name ``"ignore"``): let them through like ``torch.optim.AdamW``; a parameter's
             first gradient is still checked (the period search and codebook need finite values); the default
-            under ``capturable=True``, which refuses the other two. On a steady step the step applies the policy
+            under ``capturable=True``, which refuses ``"raise"`` and takes ``"skip"`` decided on the device by the
+            Triton backend (counters and skips counted there, reported when the host reads ``skipped_steps``; a
+            captured step on another backend is refused). On a steady step the step applies the policy
             itself before its first write (the CPU's native library in its own passes; the compiled kernels under
             ``"skip"`` on the device, the skip then counted and warned about when the host next looks, see
             :mod:`gefen.nonfinite`); otherwise one min/max reduction per gradient and one host read per step.
@@ -151,8 +155,9 @@ class Gefen(GefenOptimizer):
         ConfigError: (a ``ValueError``) invalid hyperparameters, empty, complex or duplicate parameters, an
             AdamW option Gefen does not implement (e.g. ``maximize=True``), an unknown ``nonfinite``, or a policy
             combination that cannot be honoured (``deterministic=True`` with ``nonfinite="propagate"``;
-            ``capturable=True`` with ``deterministic=True`` or ``nonfinite="skip"``/``"raise"``, which need a
-            host read).
+            ``capturable=True`` with ``deterministic=True`` or ``nonfinite="raise"``, which need a host read).
+        StepError: (at ``step()``) under ``capturable=True, nonfinite="skip"``, a step inside a CUDA-graph capture
+            or ``torch.compile`` trace whose parameters are not all on the Triton backend (nothing changed).
         TypeError: ``params`` is a single tensor or holds a non-tensor; ``factored_v_2d``, ``deterministic`` or
             ``capturable`` is not a bool; an unknown keyword argument.
 
@@ -172,6 +177,7 @@ class Gefen(GefenOptimizer):
     kind = "Gefen"
     #: Its step can apply the ``nonfinite`` policy itself (see :meth:`_defers_finite_check`).
     _checks_finite_in_step = True
+    _skips_on_device = True  # capturable=True may take nonfinite="skip" (decided by the Triton backend)
 
     def __init__(
         self,
@@ -310,7 +316,7 @@ class Gefen(GefenOptimizer):
         jobs = self._jobs(plan, new_states)
         self._pending_codebook = codebook
         try:
-            parts = self._dispatch(jobs) if jobs and not self.capturable else []
+            parts = self._dispatch(jobs) if jobs else []
             if any(not getattr(b, "device_counters", False) for part in parts for b, _ in part):
                 self._settle_pending_check()  # a backend that reads the host's step counters: bring them up to date
             check, bad = self._step_check(parts, deferred)
@@ -332,14 +338,6 @@ class Gefen(GefenOptimizer):
             else:  # all-zero first gradient: only the decoupled decay
                 zero = torch.zeros((), device=item.target.device).expand(item.target.shape)
                 apply_update_(item.target, zero, as_float(group["lr"]), as_float(group["weight_decay"]), 0.0)
-        if self.capturable:
-            for part in self._job_parts(jobs):
-                for job in part:
-                    self._update_on_device(job)
-                self._finish_jobs(part)
-            if jobs:
-                self._advance_global_step()
-            return loss
         status = "applied"
         for part in parts:  # one part (Gefen); GefenMuon's parts bound the transient m-hat buffers
             status = self._run_backends(part, check)
@@ -347,8 +345,8 @@ class Gefen(GefenOptimizer):
                 return loss
             self._finish_jobs([job for _, batch in part for job in batch])
         if status == "applied" and jobs:  # a step that saw only all-zero first gradients (e.g. DCP's hidden init
-            self._advance_global_step()  # step) does not count; a device-decided one counts when it is settled
-        return loss
+            self._advance_global_step()  # step) does not count; a device-decided one counts when it is settled (or
+        return loss  # on the device, "counted", under capturable=True)
 
     def _initial_state(self, item: WorkItem, group: Mapping[str, Any], period: int, zero_code: int) -> dict[str, Any]:
         """A parameter's first state (zeros, codes at the zero code), not yet published."""
@@ -388,7 +386,7 @@ class Gefen(GefenOptimizer):
         def table(device: torch.device) -> NearestCodeTable:
             return self._nearest_table(device, self._pending_codebook)
 
-        return StepContext(self.kind, table, self.deterministic, self._settle_pending_check)
+        return StepContext(self.kind, table, self.deterministic, self._settle_pending_check, self.capturable)
 
     def _dispatch(self, jobs: list[StepJob]) -> list[list[tuple[Any, list[StepJob]]]]:
         """Choose every job's backend (:class:`gefen.kernels.backends.Backends`, the one dispatch point) and
@@ -402,6 +400,8 @@ class Gefen(GefenOptimizer):
             StepError: a param group asked for a backend that cannot step one of its parameters, or could not
                 prepare it; nothing has been changed.
         """
+        if self.capturable and torch.compiler.is_compiling():  # a torch.compile trace: the per-parameter path
+            return [[(self._on_device, part)] for part in self._job_parts(jobs)]
         chosen: list[tuple[StepJob, str]] = []
         cache: dict[tuple[str, str, torch.dtype, torch.dtype, bool], tuple[str, str]] = {}
         for job in jobs:
@@ -432,6 +432,10 @@ class Gefen(GefenOptimizer):
         parts = []
         for part in self._job_parts(jobs):
             batches = self._backends.batches([(job, name_of[id(job)]) for job in part])
+            if self.capturable:  # device counters: the Triton backend where chosen, else the per-parameter path
+                captured = [(b, batch) for b, batch in batches if getattr(b, "captures", False)]
+                rest = [job for b, batch in batches if not getattr(b, "captures", False) for job in batch]
+                batches = captured + ([(self._on_device, rest)] if rest else [])
             left: list[StepJob] = []
             for backend, batch in batches:
                 left.extend(backend.prepare(batch, context))
@@ -472,6 +476,14 @@ class Gefen(GefenOptimizer):
             one_device = len({job.target.device for job in batch}) == 1
             if backend.checks == "device" and self.nonfinite == "skip" and one_device:
                 return "device", []
+        if self.capturable and capturing():
+            job, name = next((job, b.name) for b, batch in batches for job in batch if b.checks != "device")
+            raise StepError(
+                f"{self.kind}(capturable=True, nonfinite='skip') decides a steady step on the device, which only the "
+                f"Triton backend does (CUDA, fp32/bf16/fp16, unsharded, not inside torch.compile); {job.name} runs "
+                f"on the {name} step here, whose check would read the host inside a capture. Nothing was changed; "
+                "use nonfinite='propagate' (with torch.amp.GradScaler for overflow) or capture without it."
+            )
         named = [(job.name, job.grad) for _, batch in batches for job in batch]
         return "", self._apply_finite_policy(unusable_names(named))
 
@@ -490,6 +502,9 @@ class Gefen(GefenOptimizer):
             if outcome.unusable:  # the backend refused the step before any write: nothing has changed
                 self._record_skip(StepSkip(nonfinite=True, names=tuple(self._apply_finite_policy(outcome.unusable))))
                 return "refused"
+            if outcome.applied is not None:  # capturable=True: decided and counted on the device
+                self._count_on_device(outcome.applied)
+                status = "counted"
             if outcome.pending is not None:
                 self._pending_checks.append(outcome.pending)
                 status = "pending"
@@ -500,6 +515,10 @@ class Gefen(GefenOptimizer):
             if outcome.left:
                 self._backends.get("eager").run(outcome.left, context)
         return status
+
+    @property
+    def _on_device(self) -> _OnDeviceBackend:
+        return _OnDeviceBackend(self._update_on_device)
 
     def _finish_jobs(self, jobs: list[StepJob]) -> None:
         """What follows the backends' update: a parameter sharded by blocks writes its rows from every rank's
@@ -539,10 +558,10 @@ class Gefen(GefenOptimizer):
 
         True for a steady step under ``"skip"`` or ``"raise"``: no parameter starts now (no period search, codebook
         or initial decay runs before the backends are chosen), none is sharded (ranks agree on skips before any
-        step), not ``capturable``, and no :class:`gefen.GefenMuonHybrid` applied the policy already. Asked
-        once per step, by the preflight.
+        step), and no :class:`gefen.GefenMuonHybrid` applied the policy already. Asked once per step, by the
+        preflight. (``capturable=True`` takes ``"skip"`` only: decided on the device by the Triton backend.)
         """
-        if not self._checks_finite_in_step or self.nonfinite == "propagate" or self.capturable:
+        if not self._checks_finite_in_step or self.nonfinite == "propagate":
             return False
         if self.__dict__.get("_finite_checked") or not any(plan):
             return False
@@ -596,3 +615,24 @@ class Gefen(GefenOptimizer):
             entry = (codebook, build(codebook))
             self._tables[key] = entry
         return entry[1]
+
+
+class _OnDeviceBackend:
+    """``capturable=True``: the per-parameter device step (:meth:`Gefen._update_on_device`; GefenMuon's momentum) as
+    a backend, for the parameters no capturing backend (``captures = True``: the Triton one) runs. It reads nothing
+    on the host and keeps its counters in the optimizer's device state; no ``nonfinite`` check of its own."""
+
+    name = "per-parameter device"
+    checks = ""
+    device_counters = True
+
+    def __init__(self, update: Callable[[StepJob], None]) -> None:
+        self._update = update
+
+    def prepare(self, jobs: list[StepJob], context: StepContext) -> list[StepJob]:
+        return []
+
+    def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:
+        for job in jobs:
+            self._update(job)
+        return StepOutcome()

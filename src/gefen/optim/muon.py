@@ -99,6 +99,7 @@ class GefenMuon(Gefen):
     kind = "GefenMuon"
     #: Its backends cover the momentum of one parameter at a time: the check stays before the step.
     _checks_finite_in_step = False
+    _skips_on_device = False
 
     def __init__(
         self,
