@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a lent GPU machine (whose python3 already has torch with CUDA, pytest and
-# hypothesis): the CUDA tests (the Triton backend against the CPU native one among them), then the rest of the suite
-# with the GPU visible (all but the Hugging Face integration tests, see below; the Triton interpreter tests in a
-# process of their own),
-# failing on any skipped test (CUDA or not), then
-# benchmarks/step.py on CUDA with the ~125M-parameter GPT-shaped set. Logs and JSON go to $OUT (default
-# /tmp/gpu_check). Exits non-zero on any failure.
+# hypothesis): the CUDA tests (the Triton backend against the CPU native one, its self-check, CUDA-graph capture of a
+# skip step, no host sync), then benchmarks/step.py on CUDA with the ~125M- and ~25M-parameter GPT-shaped sets, then
+# the rest of the suite with the GPU visible (all but the Hugging Face integration tests, see below; the Triton
+# interpreter tests in a process of their own), failing on any skipped test (CUDA or not). Logs and JSON go to $OUT
+# (default /tmp/gpu_check). Exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -20,16 +19,23 @@ status=0
 # at most), each failure named in the summary (-rfE).
 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# the numbers next (the acceptance figures), before the long CPU-side rest of the suite
+python3 benchmarks/step.py --device cuda --size 125m > "$out/step_cuda_125m.json" 2> "$out/step_cuda_125m.err" || status=1
+python3 benchmarks/step.py --device cuda --size 25m > "$out/step_cuda_25m.json" 2> "$out/step_cuda_25m.err" || status=1
+# the tests that run the Triton kernels under Triton's interpreter (CPU tensors), as in CI
+interpreted=(tests/kernels/test_triton_plan.py tests/kernels/test_triton_check.py tests/optim/test_triton_backend.py
+  tests/optim/test_triton_capturable.py)
+ignored=()
+for f in "${interpreted[@]}"; do ignored+=(--ignore="$f"); done
 parallel=()
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) > 16 ? 16 : $(nproc) ))" -p no:benchmark)
 python3 -m pytest -q -p no:cacheprovider -rfEs "${parallel[@]}" tests src/gefen --ignore=tests/test_cuda.py \
-  --ignore=tests/integrations --ignore=src/gefen/integrations --ignore=tests/kernels/test_triton_plan.py \
-  --ignore=tests/optim/test_triton_backend.py 2>&1 | tee "$out/pytest.log"
+  --ignore=tests/integrations --ignore=src/gefen/integrations "${ignored[@]}" 2>&1 | tee "$out/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # the Triton kernels under Triton's interpreter (CPU tensors), as in CI: a process of their own, since the
 # interpreter is chosen when triton is first imported and the CUDA tests above compiled the kernels for the GPU
-TRITON_INTERPRET=1 python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_triton_plan.py \
-  tests/optim/test_triton_backend.py 2>&1 | tee "$out/pytest_triton_interpreter.log"
+TRITON_INTERPRET=1 python3 -m pytest -q -p no:cacheprovider -rfEs "${interpreted[@]}" 2>&1 \
+  | tee "$out/pytest_triton_interpreter.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cat "$out/pytest_triton_interpreter.log" >> "$out/pytest.log"
 cat "$out/pytest_cuda.log" >> "$out/pytest.log"
@@ -40,7 +46,5 @@ if [ "$skipped" -ne 0 ] || grep -qE "^SKIPPED" "$out/pytest.log"; then
   grep -E "^SKIPPED" "$out/pytest.log" >&2
   status=1
 fi
-python3 benchmarks/step.py --device cuda --size 125m > "$out/step_cuda_125m.json" 2> "$out/step_cuda_125m.err" || status=1
-python3 benchmarks/step.py --device cuda --size 25m > "$out/step_cuda_25m.json" 2> "$out/step_cuda_25m.err" || status=1
 echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status
