@@ -5,8 +5,8 @@ Prints one JSON object::
 
     {"params": int, "device": str, "threads": int, "stream_bandwidth_gb_s": float,
      "results": {NAME: {"opt_step_time_s": float, "first_step_time_s": float, "compile_time_s": float,
-                        "peak_extra_memory_bytes": int | null, "state_bytes_per_param": float,
-                        "bytes_moved_per_param": float, "effective_gb_s": float,
+                        "triton_jit_time_s": float, "peak_extra_memory_bytes": int | null,
+                        "state_bytes_per_param": float, "bytes_moved_per_param": float, "effective_gb_s": float,
                         "compiled_signatures": int (Gefen only)}},
      "ratio_gefen_vs_adamw_fused": float, "interleaved": {...}, "ratio_gefen_vs_adamw_fused_sequential_rows": float,
      "ratio_gefen_native_vs_adamw_fused": float,
@@ -39,7 +39,8 @@ per-pair ratios), because on a shared machine the clock drifts between rows meas
 ``opt_step_time_s`` is the median over
 ``--steps`` timed steps after ``--warmup`` untimed ones, the first of which is timed separately as
 ``first_step_time_s`` (Gefen: period search, codebook, compilation excluded) with the compile time reported as
-``compile_time_s`` (seconds; smaller with a warm inductor cache, 0 for torch's optimizers).
+``compile_time_s`` (torch.compile, seconds; smaller with a warm inductor cache, 0 for torch's optimizers and on the
+Triton backend) and ``triton_jit_time_s`` (Triton's compiler for the Triton backend's kernels; 0 with warm caches).
 ``ratio_gefen_first_step_vs_step`` comes from ``--first-repeats`` (5) fresh default Gefen optimizers
 (``first_step_pairs``: each one's first step over the median of its next ``--steps // 2`` regular steps, then the
 medians of the first steps, the regular steps and the ratios), not from the ``gefen`` row's single first step.
@@ -300,8 +301,11 @@ def measure(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup
     _sync(device)
     first = time.perf_counter() - start
     compile_s = getattr(opt, "compile_time_s", 0.0)
-    row["first_step_time_s"] = first - compile_s
+    triton = opt._backends.loaded("triton") if isinstance(opt, gefen.Gefen) else None
+    jit_s = triton.jit_time_s if triton is not None else 0.0
+    row["first_step_time_s"] = first - compile_s - jit_s
     row["compile_time_s"] = compile_s
+    row["triton_jit_time_s"] = jit_s
     peak = PeakMemory(device)
     peak.start()
     row["opt_step_time_s"] = time_steps(opt, device, steps, max(0, warmup - 1))

@@ -29,6 +29,7 @@ process); a device that fails it is not supported (``backend="auto"`` moves on t
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import Tensor
@@ -82,6 +83,7 @@ class TritonBackend:
         self._prepared: dict[tuple[int, ...], _Prepared] = {}
         self._arena: dict[torch.device, Tensor] = {}  # GefenMuon's m-hat buffers, shared by its parts
         self._warned = False
+        self.jit_time_s = 0.0  # seconds in Triton's compiler (plan.compile), none with warm caches
 
     def available(self) -> str:
         try:
@@ -213,7 +215,9 @@ class TritonBackend:
                 tj.counter = mirror[i : i + 1]
         codebook, lut, thresholds = table.codebook, table.lut, table.thresholds  # type: ignore[attr-defined]
         plan = triton_plan.build_plan(triton_jobs, codebook, lut, thresholds, table.steps)  # type: ignore[attr-defined]
+        start = time.perf_counter()
         plan.compile()  # Triton's JIT now, not at the first launch half-way through the step
+        self.jit_time_s += time.perf_counter() - start
         return _Prepared(plan, mirror, outs)
 
     def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:
