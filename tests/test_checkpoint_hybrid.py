@@ -58,7 +58,7 @@ def test_adamw_only_hybrid_records_its_policy_and_refuses_the_other():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
-    "version", [torch.zeros(3), torch.tensor(1), [1], 1.0, "1", None, True, 2], ids=lambda v: type(v).__name__
+    "version", [torch.zeros(3), torch.tensor(1), [1], 1.0, "1", None, True, 3], ids=lambda v: type(v).__name__
 )
 def test_hybrid_schema_version_of_another_type_is_a_checkpoint_error(version):
     """A ``schema_version`` edited to another type (a tensor, a list, a float, ...) in every metadata copy is refused

@@ -549,6 +549,14 @@ def _edit(mutate: Callable[[dict[str, Any]], Any]):
     return fault
 
 
+def _as_schema1_reversed(sd: dict[str, Any]) -> None:
+    """A hybrid checkpoint relabelled schema 1 (Muon groups first, by then) with its groups reversed."""
+    mirrors = [sd["gefen_hybrid"]] + [g["gefen_hybrid"] for g in sd["param_groups"]]
+    for meta in {id(m): m for m in mirrors}.values():
+        meta["schema_version"] = 1
+    sd["param_groups"].reverse()
+
+
 def _metas(sd: dict[str, Any]) -> list[dict[str, Any]]:
     """The top-level metadata and every group mirror (after a torch.load they are one object; dedupe by id)."""
     top = [sd[METADATA_KEY]] if METADATA_KEY in sd else []  # a hybrid's halves carry the group mirrors only
@@ -716,9 +724,14 @@ def _hybrid_layout() -> list[Case]:
             match=r"param_groups\[0\]\['hybrid_half'\]=None must be",
         ),
         load(
-            "a Muon group after the backup groups",
+            "groups in another order of halves than the live list's",
             _edit(lambda sd: sd["param_groups"].reverse()),
-            match=r"Muon group after backup groups",
+            match=r"belong to the halves \['backup', 'muon'\], this hybrid's to \['muon', 'backup'\]",
+        ),
+        load(
+            "schema 1: a Muon group after the backup groups",
+            _edit(_as_schema1_reversed),
+            match=r"Muon group after backup groups; schema 1",
         ),
         load(
             "hybrid metadata copies differ",
@@ -726,9 +739,9 @@ def _hybrid_layout() -> list[Case]:
             match=r"hybrid metadata.*copies differ",
         ),
         load(
-            "hybrid schema_version 2",
-            _edit(lambda sd: sd["gefen_hybrid"].update(schema_version=2)),
-            match=r"hybrid checkpoint schema_version=2",
+            "hybrid schema_version 3",
+            _edit(lambda sd: sd["gefen_hybrid"].update(schema_version=3)),
+            match=r"hybrid checkpoint schema_version=3",
         ),
         load(
             "hybrid skipped_steps -1",

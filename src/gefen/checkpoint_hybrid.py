@@ -5,23 +5,33 @@
 ``sd["state"]`` and ``sd["param_groups"]``) take the hybrid itself::
 
     {"state": {i: <the owning half's per-parameter state>},          # i: position in param_groups order
-     "param_groups": [<Muon groups>..., <backup groups>...],          # each with "hybrid_half": "muon"|"backup",
+     "param_groups": [<groups in the hybrid's list order>...],        # each with "hybrid_half": "muon"|"backup",
                                                                       # the half's own "gefen_metadata" mirror
                                                                       # (Gefen halves) and "gefen_hybrid"
-     "gefen_hybrid": {"schema_version": 1, "optimizer": "GefenMuonHybrid", "backup_optimizer": "gefen"|"adamw",
+     "gefen_hybrid": {"schema_version": 2, "optimizer": "GefenMuonHybrid", "backup_optimizer": "gefen"|"adamw",
                       "deterministic": bool, "skipped_steps": int}}
+
+Parameters are numbered as ``torch.optim.Optimizer.state_dict`` numbers them: by position over the groups in list
+order, a parameter listed again (a group repeated in ``param_groups``) keeping its first index; a group has
+``param_names`` exactly when its live group has them (a hybrid built from bare tensors writes none).
 
 The ``gefen_hybrid`` entry is mirrored into every group (the DCP helpers keep only ``state`` and
 ``param_groups``). The live groups (the children's) hold ``hybrid_half`` and a ``None`` stand-in for the mirror,
 because DCP's flattened layout rebuilds the saved groups from the live groups' keys (see :mod:`gefen.checkpoint`).
-Each half is rebuilt as its own child's state dict (its groups, the states of their parameters,
-its metadata mirror) and validated by that child. The older "halves" layout (``{"muon": ..., "backup": ...,
-"backup_optimizer": ...}``, gefen 0.1) migrates explicitly in :func:`split_hybrid_state_dict`.
+Each half is rebuilt as its own child's state dict (its groups in list order, the states of their parameters, its
+metadata mirror) and validated by that child.
+
+Versions: schema 2 writes the groups in the hybrid's list order (``add_param_group`` appends, whichever half owns
+the group), so a loader matches them with the live list position by position; schema 1 (gefen before the list
+order) wrote every Muon group, then every backup group, whatever order they were added in: it loads half by half
+(each half's groups in their saved order), which is the order it was written from. The older "halves" layout
+(``{"muon": ..., "backup": ..., "backup_optimizer": ...}``, gefen 0.1) migrates explicitly in
+:func:`split_hybrid_state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +66,10 @@ __all__ = [
 HYBRID_HALF_KEY = "hybrid_half"
 #: Top-level key (and group mirror) of the hybrid's own metadata.
 HYBRID_METADATA_KEY = "gefen_hybrid"
-#: Version of the layout above.
-HYBRID_SCHEMA_VERSION = 1
+#: Version of the layout above (2: groups in list order; 1: Muon groups first, still read).
+HYBRID_SCHEMA_VERSION = 2
+#: Versions :func:`split_hybrid_state_dict` reads.
+_READABLE_VERSIONS = (1, 2)
 _HALVES = ("muon", "backup")
 
 
@@ -95,43 +107,65 @@ def hybrid_metadata(backup_optimizer: str, deterministic: bool, skipped_steps: i
 
 
 def build_hybrid_state_dict(
+    groups: Sequence[tuple[str, Sequence[Tensor]]],
     halves: Mapping[str, dict[str, Any] | None],
     backup_optimizer: str,
     deterministic: bool,
     skipped_steps: int,
     extra_state: Mapping[Any, Any] | None = None,
 ) -> dict[str, Any]:
-    """Merge the children's state dicts into the hybrid's torch-layout state dict.
+    """Merge the children's state dicts into the hybrid's torch-layout state dict, in the hybrid's list order.
 
     Args:
-        halves: ``{"muon": sd or None, "backup": sd or None}``, each a child's ``state_dict()`` (int parameter
-            indices from 0, as torch packs them).
+        groups: the hybrid's param groups in list order, each as ``(half, params)`` (its live parameter tensors).
+        halves: ``{"muon": sd or None, "backup": sd or None}``, each a child's ``state_dict()``; the k-th group of
+            a half in ``groups`` is the k-th group of that child (the child's list is the hybrid's, filtered).
         backup_optimizer, deterministic, skipped_steps: the hybrid's settings and counter.
         extra_state: the hybrid's ``state`` entries whose key is not a parameter, saved as-is (as torch does).
 
     Returns:
         The dict above; the children's tensors are shared, not copied (as ``torch.optim`` does).
+
+    Raises:
+        ValueError: ``groups`` and the children's state dicts disagree (a group count or size; a bug, not a user
+            input).
     """
     meta = hybrid_metadata(backup_optimizer, deterministic, skipped_steps)
-    state: dict[int, Any] = {}
-    groups: list[dict[str, Any]] = []
-    offset = 0
+    state: dict[Any, Any] = {}
+    packed_groups: list[dict[str, Any]] = []
+    index: dict[int, int] = {}  # id(parameter) -> its first position, as torch.optim numbers a repeated parameter
+    taken = dict.fromkeys(_HALVES, 0)
+    position = 0
+    for half, params in groups:
+        sd = halves.get(half)
+        if sd is None or taken[half] >= len(sd["param_groups"]):
+            raise ValueError(f"hybrid state dict: the {half} half has fewer groups than the hybrid's list")
+        saved = sd["param_groups"][taken[half]]
+        taken[half] += 1
+        if len(saved["params"]) != len(params):
+            raise ValueError(
+                f"hybrid state dict: a {half} group has {len(saved['params'])} parameters, not {len(params)}"
+            )
+        ids = []
+        for offset, (param, child_id) in enumerate(zip(params, saved["params"])):
+            i = index.setdefault(id(param), position + offset)
+            ids.append(i)
+            if i not in state and child_id in sd["state"]:
+                state[i] = sd["state"][child_id]
+        position += len(params)
+        packed = {k: v for k, v in saved.items() if k != "params"}
+        packed["params"] = ids
+        packed[HYBRID_HALF_KEY] = half
+        packed[HYBRID_METADATA_KEY] = meta
+        packed_groups.append(packed)
     for half in _HALVES:
         sd = halves.get(half)
-        if sd is None:
-            continue
-        count = 0
-        for group in sd["param_groups"]:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [offset + i for i in group["params"]]
-            packed[HYBRID_HALF_KEY] = half
-            packed[HYBRID_METADATA_KEY] = meta
-            groups.append(packed)
-            count += len(group["params"])
-        state.update({offset + i: value for i, value in sd["state"].items()})
-        offset += count
+        if sd is not None and taken[half] != len(sd["param_groups"]):
+            raise ValueError(f"hybrid state dict: the {half} half has more groups than the hybrid's list")
+        if sd is not None:  # keys that are not parameters (torch's state takes any key): as the child saved them
+            state.update({k: v for k, v in sd["state"].items() if not isinstance(k, int)})
     state.update(extra_state or {})
-    return {"state": state, "param_groups": groups, HYBRID_METADATA_KEY: meta}
+    return {"state": state, "param_groups": packed_groups, HYBRID_METADATA_KEY: meta}
 
 
 def is_hybrid_state_dict(state_dict: object) -> bool:
@@ -151,6 +185,7 @@ def split_hybrid_state_dict(
     backend: str | None = None,
     deterministic: bool | None = None,
     live: Mapping[str, Any] | None = None,
+    live_halves: Sequence[str] | None = None,
 ) -> HybridHalves:
     """Take a hybrid checkpoint apart into its halves' own state dicts (never modifies the caller's dict).
 
@@ -161,14 +196,17 @@ def split_hybrid_state_dict(
         live: the live hybrid's own ``gefen_hybrid`` entry (:func:`hybrid_metadata`): in a dict a load pre-hook
             assembled from the live ``state_dict()`` (the live entry at the top level, the checkpoint's in every
             group mirror), the mirrors win, as for a Gefen half (:func:`gefen.checkpoint.read_metadata`).
+        live_halves: the half of each live group, in the live list order (``None``: not compared). A schema-2
+            checkpoint's groups must come in the same order of halves: groups load by position, as in torch.
 
     Returns:
         :class:`HybridHalves`.
 
     Raises:
-        CheckpointError: not a hybrid checkpoint; a group without (or with an unknown) ``hybrid_half``; backup
-            groups before Muon groups; metadata missing, of another schema, or differing between copies; another
-            backup optimizer or policy; a bad skipped-step count; a state entry no group lists.
+        CheckpointError: not a hybrid checkpoint; a group without (or with an unknown) ``hybrid_half``; groups in
+            another order of halves than the live list (schema 2) or backup groups before Muon groups (schema 1);
+            metadata missing, of another schema, or differing between copies; another backup optimizer or
+            policy; a bad skipped-step count; a state entry no group lists.
     """
     if isinstance(state_dict, Mapping) and HYBRID_KEYS <= set(state_dict):  # gefen 0.1: migrate
         skipped = check_hybrid_layout(state_dict, backend, deterministic)
@@ -202,10 +240,10 @@ def split_hybrid_state_dict(
                 f"hybrid checkpoint param_groups[{g}]['{HYBRID_HALF_KEY}']={half!r} must be 'muon' or 'backup'; "
                 "the checkpoint was not saved by GefenMuonHybrid.state_dict() or was edited."
             )
-        if half == "muon" and "backup" in halves:
+        if meta["schema_version"] == 1 and half == "muon" and "backup" in halves:
             raise CheckpointError(
-                f"hybrid checkpoint param_groups[{g}] is a Muon group after backup groups; the Muon groups come "
-                "first (the checkpoint was edited)."
+                f"hybrid checkpoint param_groups[{g}] is a Muon group after backup groups; schema 1 wrote the Muon "
+                "groups first (the checkpoint was edited)."
             )
         own = {k: v for k, v in group.items() if k not in (HYBRID_HALF_KEY, HYBRID_METADATA_KEY)}
         target = halves.setdefault(half, {"state": {}, "param_groups": []})
@@ -235,6 +273,19 @@ def split_hybrid_state_dict(
         raise CheckpointError("the hybrid checkpoint has no param group in either half.")
     if deterministic is not None:
         _check_policy(meta["deterministic"], deterministic)
+    saved_halves = [g[HYBRID_HALF_KEY] for g in state_dict["param_groups"]]
+    live_order = None if live_halves is None else list(live_halves)
+    if (
+        meta["schema_version"] >= 2
+        and live_order is not None
+        and set(saved_halves) == set(live_order)  # a half missing on one side: the hybrid says so
+        and saved_halves != live_order
+    ):
+        raise CheckpointError(
+            f"the checkpoint's param groups belong to the halves {saved_halves}, this hybrid's to {live_order}: "
+            "groups load by position, as in torch.optim. Rebuild the groups in the saved run's order (add_param_group "
+            "appends; or assign param_groups in that order) before loading."
+        )
     return HybridHalves(
         halves.get("muon"), halves.get("backup"), tag, meta["deterministic"], meta["skipped_steps"], "torch", extra
     )
@@ -267,10 +318,10 @@ def _hybrid_metadata(state_dict: Mapping[str, Any], live: Mapping[str, Any] | No
     version = first.get("schema_version")
     # an int first: an edited value of another type (a tensor, a list) must not reach the comparison, where a tensor
     # would answer with a tensor and its truth value raise a RuntimeError instead of this CheckpointError
-    if type(version) is not int or version != HYBRID_SCHEMA_VERSION:
+    if type(version) is not int or version not in _READABLE_VERSIONS:
         raise CheckpointError(
-            f"hybrid checkpoint schema_version={version!r} is not {HYBRID_SCHEMA_VERSION} (a newer gefen wrote it, "
-            "or it was edited); upgrade gefen to load it."
+            f"hybrid checkpoint schema_version={version!r} is not one of {list(_READABLE_VERSIONS)} (a newer gefen "
+            "wrote it, or it was edited); upgrade gefen to load it."
         )
     if first.get("optimizer") != "GefenMuonHybrid":
         raise CheckpointError(f"hybrid checkpoint optimizer={first.get('optimizer')!r} is not 'GefenMuonHybrid'.")
@@ -283,7 +334,7 @@ def _hybrid_metadata(state_dict: Mapping[str, Any], live: Mapping[str, Any] | No
     skipped = _int_counter(first.get("skipped_steps"), "hybrid skipped_steps")
     if skipped < 0:
         raise CheckpointError(f"hybrid skipped_steps={skipped} must be >= 0.")
-    return {"backup_optimizer": tag, "deterministic": policy, "skipped_steps": skipped}
+    return {"backup_optimizer": tag, "deterministic": policy, "skipped_steps": skipped, "schema_version": version}
 
 
 def check_adamw_state(optimizer: torch.optim.Optimizer) -> None:

@@ -265,8 +265,9 @@ def test_hybrid_behaves_as_one_optimizer(backup: str) -> None:
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     assert opt.backup.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     assert opt.state[model.q_proj.weight] is opt.muon.state[model.q_proj.weight]
-    with pytest.raises(TypeError):
-        opt.param_groups = []
+    groups = list(opt.param_groups)
+    opt.param_groups = groups[::-1]  # a plain list, assigned as on a torch optimizer (issue 36)
+    assert opt.param_groups[0] is groups[1] and opt.muon.param_groups == [groups[0]]
 
 
 @pytest.mark.parametrize("backup", ["gefen", "adamw"])
@@ -299,7 +300,8 @@ def test_hybrid_add_param_group_routes_by_the_constructor_rule_case_002(backup) 
     opt.step()
     assert all(not torch.equal(p, q) for p, q in zip((extra_matrix, extra_bias, head), before))
     sd = opt.state_dict()
-    assert [g["hybrid_half"] for g in sd["param_groups"]] == ["muon"] * (n_muon + 1) + ["backup"] * (n_backup + 2)
+    halves = ["muon"] * n_muon + ["backup"] * n_backup + ["muon", "backup", "backup"]  # list order (issue 36)
+    assert [g["hybrid_half"] for g in sd["param_groups"]] == halves
     assert sorted(sd["state"]) == list(range(sum(len(g["params"]) for g in sd["param_groups"])))
 
 
@@ -360,8 +362,10 @@ def test_hybrid_resumes_bit_exactly_and_refuses_mismatched_checkpoints() -> None
 def test_hybrid_refuses_bad_construction() -> None:
     with pytest.raises(ConfigError, match="backup_optimizer"):
         gefen.GefenMuonHybrid(_Toy(), lr=1e-3, backup_optimizer="sgd")
-    with pytest.raises(TypeError):
-        gefen.GefenMuonHybrid([torch.zeros(2, 2, requires_grad=True)], lr=1e-3)
+    with pytest.raises(TypeError, match="single Tensor"):
+        gefen.GefenMuonHybrid(torch.zeros(2, 2, requires_grad=True), lr=1e-3)
+    with pytest.raises(TypeError, match="mix kinds"):
+        gefen.GefenMuonHybrid([torch.zeros(2, 2, requires_grad=True), ("b", torch.zeros(2))], lr=1e-3)
     with pytest.warns(UserWarning, match="match_rms_adamw"):
         gefen.GefenMuonHybrid(_Toy(), lr=1e-3, adjust_lr_fn="original")
     with pytest.raises(ConfigError, match="no parameter"):

@@ -42,12 +42,12 @@ from gefen.kernels.compiled import host_only
 from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.optim._base import StepSkip, WorkItem, iter_named_params
 from gefen.optim._capture import check_not_inference
+from gefen.optim._hybrid_groups import HALVES, group_spec, input_groups, place_groups, publish, same_groups
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 from gefen.optim.routing import (
     BACKUP_OPTIMIZERS,
     DEFAULT_BACKUP_SUBSTRINGS,
-    goes_to_muon,
     nothing_for_muon,
     split_params_for_muon,
     validate_split,
@@ -61,15 +61,6 @@ __all__ = [
     "validate_split",
     "GefenMuonHybrid",
 ]
-
-
-class _GroupsView(list):  # type: ignore[type-arg]
-    """``param_groups`` of the hybrid: the children's groups (live dicts), read-only as a list."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("GefenMuonHybrid.param_groups is a view of its two children; change the groups' dicts.")
-
-    append = extend = insert = remove = pop = clear = __setitem__ = __delitem__ = __iadd__ = _refuse  # type: ignore[assignment]
 
 
 class _StateView(MutableMapping):  # type: ignore[type-arg]
@@ -147,20 +138,25 @@ _HOOK_REGISTRIES = tuple(
 class GefenMuonHybrid(torch.optim.Optimizer):
     """Whole-model Muon: :class:`GefenMuon` for 2-D hidden weights, Gefen or AdamW for everything else.
 
-    Behaves as one ``torch.optim.Optimizer``: ``param_groups`` is a live view of the Muon child's groups then
-    the backup's (LR schedulers work; the hybrid's ``lr`` is the Muon lr, ``backup_lr`` the backup's);
-    ``state`` routes to the owning child; ``step(closure)`` runs the closure once, validates both children's
-    gradients, then steps the Muon child first and the backup second; ``zero_grad`` forwards;
+    Behaves as one ``torch.optim.Optimizer``: ``param_groups`` is a plain list in torch's order (the
+    constructor's groups, then each ``add_param_group`` appended, whichever half owns it), each dict the one its
+    half steps with, so writing ``param_groups[i]["lr"]`` (an LR scheduler, a fine-tuning callback) takes effect;
+    the list may be edited, extended or assigned as a whole (Lightning's resume), and its new groups join their
+    halves at the next call (:mod:`gefen.optim._hybrid_groups`); the hybrid's ``lr`` is the Muon lr, ``backup_lr``
+    the backup's. ``state`` routes to the owning child; ``step(closure)`` runs the closure once, validates both
+    children's gradients, then steps the Muon child first and the backup second; ``zero_grad`` forwards;
     ``state_dict()`` is torch.optim's layout over both halves (:mod:`gefen.checkpoint_hybrid`: ``state`` by
-    position, groups naming their ``hybrid_half``, a ``gefen_hybrid`` entry), so tools written for torch.optim
-    (the DCP helpers) take the hybrid itself, and ``load_state_dict`` validates both halves before either
-    changes; ``add_param_group`` routes a group to its half. Parameters frozen at construction are held and train
-    once unfrozen; torch's global step hooks fire once per hybrid step; ``state`` takes keys that are not
-    parameters (saved and loaded as-is).
+    position, groups in list order naming their ``hybrid_half``, ``param_names`` only where the parameters have
+    names, a ``gefen_hybrid`` entry), so tools written for torch.optim (the DCP helpers) take the hybrid itself,
+    and ``load_state_dict`` validates both halves before either changes. Parameters frozen at construction are
+    held and train once unfrozen; torch's global step hooks fire once per hybrid step; ``state`` takes keys that
+    are not parameters (saved and loaded as-is).
 
     Args:
         model_or_named_params: an ``nn.Module`` (routing by module type and name) or ``(name, param)`` pairs
-            (routing by name and ndim), split by :func:`split_params_for_muon`.
+            (routing by name and ndim), split by :func:`split_params_for_muon`; or, as ``torch.optim`` takes them,
+            bare tensors (routing by ndim only: every 2-D tensor goes to Muon, embeddings and heads included, so a
+            warning says so) or param-group dicts (each routed whole, as by :meth:`add_param_group`).
         lr: Muon's lr η (with ``adjust_lr_fn="match_rms_adamw"`` an AdamW-scale value fits).
         backup_optimizer: ``"gefen"`` (block second moment, ``factored_v_2d=False`` as algorithm.md §8.2) or
             ``"adamw"`` (``torch.optim.AdamW``).
@@ -184,9 +180,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     Raises:
         ConfigError: no parameter at all, an unknown ``backup_optimizer``, invalid hyperparameters, a policy
-            combination that cannot be honoured (see :class:`Gefen`).
-        TypeError: bare tensors instead of a model or ``(name, param)`` pairs; a non-bool ``deterministic`` or
-            ``capturable``.
+            combination that cannot be honoured (see :class:`Gefen`), a group dict the rule sends to both halves.
+        TypeError: a single tensor, or parameters of mixed kinds; a non-bool ``deterministic`` or ``capturable``.
+        ValueError: a parameter twice, some parameters or groups named and others not (torch's rule).
 
     Source: algorithm.md §8.
     """
@@ -237,8 +233,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             )
         if backup_optimizer not in BACKUP_OPTIMIZERS:
             raise ConfigError(f"backup_optimizer={backup_optimizer!r} must be one of {BACKUP_OPTIMIZERS}.")
-        muon, backup = split_params_for_muon(model_or_named_params, backup_substrings)
-        validate_split(muon, backup, model_or_named_params if isinstance(model_or_named_params, nn.Module) else None)
+        specs, named, muon, backup, callers = input_groups(
+            model_or_named_params, tuple(s.lower() for s in backup_substrings)
+        )
         if not muon and not backup:
             raise ConfigError("GefenMuonHybrid got no parameter.")
         # checked first under the hybrid's own argument names (backup_lr, not backup['lr'])
@@ -257,6 +254,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         message = nothing_for_muon(muon, backup, backup_substrings, backup_optimizer)
         if message is not None:
             warnings.warn(message, stacklevel=2)
+        if not named and any(p.dim() == 2 for _, p in muon):
+            warnings.warn(
+                "GefenMuonHybrid got parameters without names: routing by shape only, every 2-D tensor goes to Muon "
+                "(embeddings and output heads too). Pass the model or model.named_parameters() to keep those on the "
+                "backup.",
+                stacklevel=2,
+            )
         if adjust_lr_fn in (None, "original"):
             warnings.warn(
                 "GefenMuonHybrid with adjust_lr_fn='original' scales Muon's lr by sqrt(max(1, R/C)) only: an "
@@ -272,46 +276,47 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             "capturable": capturable,
             "nonfinite": self.nonfinite,
         }
+        self._child_options = {
+            "muon": {
+                "lr": lr,
+                "weight_decay": wd if muon_weight_decay is None else muon_weight_decay,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "ns_steps": ns_steps,
+                "ns_schedule": ns_schedule,
+                "adjust_lr_fn": adjust_lr_fn,
+                "normuon": normuon,
+                "normuon_beta2": normuon_beta2,
+                "normuon_eps": normuon_eps,
+                "sharded_mode": sharded_mode,
+                **policies,
+            },
+            "backup": {
+                "lr": lr if backup_lr is None else backup_lr,
+                "betas": betas,
+                "eps": eps,
+                "weight_decay": wd if backup_weight_decay is None else backup_weight_decay,
+                **({"factored_v_2d": backup_factored_v_2d, **policies} if backup_optimizer == "gefen" else {}),
+            },
+        }
         self.muon: GefenMuon | None = None
         self.backup: torch.optim.Optimizer | None = None
-        if muon:
-            self.muon = GefenMuon(
-                muon,
-                lr=lr,
-                weight_decay=wd if muon_weight_decay is None else muon_weight_decay,
-                momentum=momentum,
-                nesterov=nesterov,
-                ns_steps=ns_steps,
-                ns_schedule=ns_schedule,
-                adjust_lr_fn=adjust_lr_fn,
-                normuon=normuon,
-                normuon_beta2=normuon_beta2,
-                normuon_eps=normuon_eps,
-                sharded_mode=sharded_mode,
-                **policies,
-            )
-        if backup:
-            blr = lr if backup_lr is None else backup_lr
-            bwd = wd if backup_weight_decay is None else backup_weight_decay
-            if backup_optimizer == "gefen":
-                self.backup = Gefen(
-                    backup,
-                    lr=blr,
-                    betas=betas,
-                    eps=eps,
-                    weight_decay=bwd,
-                    factored_v_2d=backup_factored_v_2d,
-                    **policies,
-                )
-            else:
-                self.backup = torch.optim.AdamW(
-                    [{"params": [p for _, p in backup], "param_names": [n for n, _ in backup]}],
-                    lr=blr,
-                    betas=betas,
-                    eps=eps,
-                    weight_decay=bwd,
-                )
+        for half in HALVES:
+            mine = [spec for h, spec in specs if h == half]
+            if mine:
+                setattr(self, half, self._make_child(half, mine))
+        taken = dict.fromkeys(HALVES, 0)
+        groups = []
+        for (half, _), caller in zip(specs, callers):  # the order given: the k-th group of a half is its child's k-th
+            child_groups = getattr(self, half).param_groups
+            if caller is not None:
+                publish(child_groups, taken[half], caller)  # the caller's dict is the group, as in torch
+            groups.append(child_groups[taken[half]])
+            taken[half] += 1
+        self._groups = groups
+        self._named = named
         self._mark_groups()
+        self._record_sync()
         first = self._children()[0]
         self.defaults = first.defaults
         for name in _HOOK_REGISTRIES:
@@ -332,33 +337,101 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return sum(float(getattr(child, "compile_time_s", 0.0)) for child in self._children())
 
     def _children(self) -> list[torch.optim.Optimizer]:
-        return [c for c in (self.muon, self.backup) if c is not None]
+        """The halves that hold a group, Muon's first (the order they step in). A half whose every group left the
+        list keeps its state, unused, until a group of it comes back."""
+        return [c for c in (self.muon, self.backup) if c is not None and c.param_groups]
+
+    def _halves(self) -> dict[str, torch.optim.Optimizer | None]:
+        return {"muon": self.muon, "backup": self.backup}
+
+    def _make_child(self, half: str, specs: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """Build a half over its first groups with the constructor's options (at construction, or when a group of a
+        half the hybrid was built without joins it)."""
+        options = self._child_options[half]
+        if half == "muon":
+            return GefenMuon(specs, **options)
+        if self.backup_optimizer == "gefen":
+            return Gefen(specs, **options)
+        return torch.optim.AdamW(specs, **options)
 
     def _mark_groups(self) -> None:
         """Give every live group the hybrid's carriers: its ``hybrid_half`` and a ``None`` stand-in for the
         ``gefen_hybrid`` mirror (torch's flattened DCP layout keeps only the group keys the live groups have; see
         :mod:`gefen.checkpoint_hybrid`)."""
-        for half, child in (("muon", self.muon), ("backup", self.backup)):
+        for half, child in self._halves().items():
             for group in [] if child is None else child.param_groups:
                 group.update({HYBRID_HALF_KEY: half, HYBRID_METADATA_KEY: None})
+
+    def _record_sync(self, halves: list[str] | None = None) -> None:
+        """Remember the list and the children's lists as they agree now (:meth:`_sync` compares against it)."""
+        if halves is None:
+            known = {id(g): h for h, c in self._halves().items() if c is not None for g in c.param_groups}
+            halves = [known[id(g)] for g in self._groups]
+        self._synced = (list(self._groups), {h: list(c.param_groups) for h, c in self._halves().items() if c})
+        self._group_halves = halves
+        self.__dict__.pop("_owners", None)
+
+    def _sync(self) -> None:
+        """Bring the children in line with :attr:`param_groups` after the list was edited or assigned.
+
+        A group a child gained behind the hybrid's back (its own ``add_param_group``) is appended to the list
+        first. New dicts in the list are routed and validated (:func:`gefen.optim._hybrid_groups.place_groups`).
+
+        Raises:
+            TypeError, ValueError, ConfigError: a group of the list cannot be placed; nothing changed.
+        """
+        groups_then, children_then = self._synced
+        halves_map = self._halves()
+        moved = [
+            h
+            for h, c in halves_map.items()
+            if c is not None and not same_groups(c.param_groups, children_then.get(h, []))
+        ]
+        if same_groups(self._groups, groups_then) and not moved:
+            return
+        if moved and same_groups(self._groups, groups_then):  # a child changed behind the hybrid's back: follow it
+            live = {id(g): h for h, c in halves_map.items() if c is not None for g in c.param_groups}
+            kept = [g for g in self._groups if id(g) in live]
+            seen = {id(g) for g in kept}
+            kept += [g for c in halves_map.values() if c is not None for g in c.param_groups if id(g) not in seen]
+            self._groups[:] = kept
+            for half, child in halves_map.items():
+                if child is not None:
+                    child.param_groups = [g for g in kept if live[id(g)] == half]
+            self._mark_groups()
+            self._record_sync()
+            return
+        halves = place_groups(
+            self._groups,
+            halves_map,
+            named=self._named,
+            substrings=self._backup_substrings,
+            make_child=self._make_child,
+        )
+        self.muon, self.backup = halves_map["muon"], halves_map["backup"]  # type: ignore[assignment]
+        self._mark_groups()
+        self._record_sync(halves)
 
     def _owner_of(self, param: Any) -> torch.optim.Optimizer | None:
         """The half holding ``param`` (``None``: neither), from a table keyed by tensor identity that is rebuilt
         when a lookup misses (after ``add_param_group`` or an edit of a group's ``params`` list)."""
         entry = self.__dict__.get("_owners", {}).get(id(param))
         if entry is None or entry[1] is not param:
+            self._sync()
             table = {id(p): (c, p) for c in self._children() for g in c.param_groups for p in g["params"]}
             self._owners = table
             entry = table.get(id(param))
         return None if entry is None else entry[0]
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy support: the two children (each pickles its own state and codebook) and settings.
+        """Pickle/deepcopy support: the two children (each pickles its own state and codebook), the list (the
+        children's own dicts, so a copy shares them as the original does) and settings.
 
         Like ``torch.optim.Optimizer``, hooks and an LR scheduler's instance-level ``step`` wrapper are not
         pickled (they hold closures); the copy starts without them.
         """
-        skip = ("step", "_owners")  # a scheduler's wrapper; the identity table (rebuilt on use)
+        self._sync()
+        skip = ("step", "_owners", "_synced")  # a scheduler's wrapper; caches rebuilt on use
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -367,17 +440,36 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             self.__dict__.setdefault(name, OrderedDict())
         self.__dict__.setdefault("_skipped_steps", 0)
         self.__dict__.setdefault("_extra_state", defaultdict(dict))
+        children = [c for c in (self.muon, self.backup) if c is not None]
+        self.__dict__.setdefault("_groups", [g for c in children for g in c.param_groups])  # gefen before the list
+        self.__dict__.setdefault("_named", all("param_names" in g for g in self._groups))
         self._mark_groups()
+        self._record_sync()
 
     # ------------------------------------------------------------------ torch.optim surface
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
-        """The Muon child's groups followed by the backup's (the children's own dicts)."""
-        return _GroupsView(g for c in self._children() for g in c.param_groups)
+        """The param groups, a plain list in torch's order (see the class docstring); each dict is the one its half
+        steps with."""
+        return self._groups
 
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
-        raise TypeError("GefenMuonHybrid.param_groups cannot be assigned; it is a view of the two children.")
+        """Replace the list (Lightning rebuilds the groups from saved metadata, then loads the optimizer's state):
+        each new dict is routed to a half (its ``hybrid_half``, else the half holding its parameters, else the
+        constructor's rule) and validated by that half before anything changes.
+
+        Raises:
+            TypeError, ValueError, ConfigError: a group cannot be placed; the hybrid keeps its former list.
+        """
+        groups = value if type(value) is list else list(value)
+        before = self.__dict__.get("_groups")
+        self._groups = groups
+        try:
+            self._sync()
+        except BaseException:
+            self._groups = before
+            raise
 
     @property  # type: ignore[override]
     def state(self) -> _StateView:
@@ -389,63 +481,43 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         raise TypeError("GefenMuonHybrid.state cannot be assigned; load a state_dict instead.")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the half that owns it (``torch.optim`` semantics; validated by that half).
+        """Append a param group (``torch.optim`` semantics: it becomes ``param_groups[-1]``) to the half that owns it.
 
         The half is the group's ``"hybrid_half"`` entry (``"muon"`` or ``"backup"``) when given, else the
         constructor's rule (algorithm.md §8.1) applied to each parameter: 2-D and no backup substring in its name
         (from ``(name, tensor)`` pairs or ``param_names``; a bare tensor has no name) goes to Muon, the rest to the
-        backup. The new group is then the last group of its half in :attr:`param_groups`.
+        backup; a half the hybrid was built without is built for it, with the constructor's options. Bare tensors
+        joining a hybrid whose parameters have names are named ``param_groups[i][j]`` (torch refuses such a group).
 
         Raises:
             TypeError: ``param_group`` is not a dict, or holds something that is not a tensor.
+            ValueError: names on a hybrid without names (torch's rule), or on some parameters only.
             ConfigError: the rule sends the group's parameters to different halves (split the group or pass
-                ``hybrid_half``), an unknown ``hybrid_half``, a half this hybrid was built without, a parameter
-                already in the hybrid, or whatever the half refuses (invalid hyperparameters, a non-2-D
-                parameter for Muon, ...).
+                ``hybrid_half``), an unknown ``hybrid_half``, a parameter already in the hybrid, or whatever the
+                half refuses (invalid hyperparameters, a non-2-D parameter for Muon, ...).
         """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"GefenMuonHybrid param_group must be a dict, got {type(param_group).__name__}.")
-        group = dict(param_group)
-        half = group.pop(HYBRID_HALF_KEY, None)
-        raw = group.get("params", [])
-        items = [raw] if isinstance(raw, Tensor) else list(raw)
-        names = group.get("param_names")
-        named = []
-        for i, item in enumerate(items):
-            name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"GefenMuonHybrid param_group['params'][{i}] is a {type(tensor).__name__}.")
-            named.append((name if name is not None else (names[i] if names else ""), tensor))
-        owned = {id(p) for g in self.param_groups for p in g["params"]}
-        taken = [name or f"params[{i}]" for i, (name, p) in enumerate(named) if id(p) in owned]
+        self._sync()
+        index = len(self._groups)
+        half, spec = group_spec(param_group, index, named=self._named, substrings=self._backup_substrings, owners={})
+        owned = {id(p) for g in self._groups for p in g["params"]}
+        pairs = [item if isinstance(item, tuple) else (f"params[{i}]", item) for i, item in enumerate(spec["params"])]
+        taken = [name for name, p in pairs if id(p) in owned]
         if taken:
             raise ConfigError(f"GefenMuonHybrid.add_param_group: {taken[0]} is already in this hybrid.")
-        if half is None:
-            routes = [(n, "muon" if goes_to_muon(n, p, set(), self._backup_substrings) else "backup") for n, p in named]
-            if len({h for _, h in routes}) > 1:
-                listed = ", ".join(f"{n or f'params[{i}]'} -> {h}" for i, (n, h) in enumerate(routes[:6]))
-                raise ConfigError(
-                    f"GefenMuonHybrid.add_param_group cannot route one group to both halves ({listed}); split it "
-                    "into one group per half, or pass 'hybrid_half': 'muon' or 'backup'."
-                )
-            half = routes[0][1] if routes else "backup"
-        if half not in ("muon", "backup"):
-            raise ConfigError(f"GefenMuonHybrid.add_param_group: hybrid_half={half!r} must be 'muon' or 'backup'.")
-        child = self.muon if half == "muon" else self.backup
+        child = self._halves()[half]
         if child is None:
-            raise ConfigError(
-                f"GefenMuonHybrid.add_param_group: this hybrid has no {half} half (nothing went there at "
-                "construction), so it cannot take the group; build the hybrid with all the parameters it will train."
-            )
-        # the halves hold named parameters (torch requires all groups named or none): name the unnamed ones
-        index = len(self.param_groups)
-        group["params"] = [(n or f"param_groups[{index}][{i}]", p) for i, (n, p) in enumerate(named)]
-        group.pop("param_names", None)
-        child.add_param_group(group)
+            child = self._make_child(half, [spec])
+            setattr(self, half, child)
+        else:
+            child.add_param_group(spec)
+        publish(child.param_groups, len(child.param_groups) - 1, param_group)  # the caller's dict, as in torch
+        self._groups.append(param_group)
         self._mark_groups()
+        self._record_sync(self._group_halves + [half])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forward to both children."""
+        self._sync()
         for child in self._children():
             child.zero_grad(set_to_none=set_to_none)
 
@@ -479,6 +551,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         check_not_inference("GefenMuonHybrid")
+        self._sync()
         shard = next((s for s in (c._any_shard() for c in self._children() if isinstance(c, Gefen)) if s), None)
         if shard is None:
             loss, skip = self._preflight(closure)
@@ -550,19 +623,19 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout over both halves (see :mod:`gefen.checkpoint_hybrid`): ``state`` keyed by position
-        in :attr:`param_groups` order (the Muon groups, then the backup's), every saved group naming its half
-        (``hybrid_half``) and carrying its half's metadata, and the hybrid's own ``gefen_hybrid`` entry
-        (backup optimizer, ``deterministic``, ``skipped_steps``). The DCP helpers take the hybrid itself.
+        in :attr:`param_groups` order (torch's numbering), the groups in list order, each naming its half
+        (``hybrid_half``) and carrying its half's metadata (``param_names`` only where the parameters have names),
+        and the hybrid's own ``gefen_hybrid`` entry (backup optimizer, ``deterministic``, ``skipped_steps``). The
+        DCP helpers take the hybrid itself.
 
         The hybrid's own state-dict pre-hooks run first and its post-hooks last (each child runs its own too).
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._sync()
         sd = build_hybrid_state_dict(
-            {
-                "muon": None if self.muon is None else self.muon.state_dict(),
-                "backup": None if self.backup is None else self.backup.state_dict(),
-            },
+            [(half, g["params"]) for half, g in zip(self._group_halves, self._groups)],
+            {half: child.state_dict() for half, child in self._halves().items() if child in self._children()},
             self.backup_optimizer,
             self.deterministic,
             self._skipped_steps,
@@ -581,29 +654,30 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         The hybrid's load pre-hooks run once on a shallow copy; a refused load changes neither half and runs no
         post-hook; a post-hook that raises finds both halves already at the new state (never half a hybrid).
 
-        Accepts torch's layout (:meth:`state_dict`) and the gefen 0.1 layout ``{"muon", "backup",
-        "backup_optimizer"}``, which migrates (see :func:`gefen.checkpoint_hybrid.split_hybrid_state_dict`).
+        Accepts torch's layout (:meth:`state_dict`): schema 2 loads group by group in list order (the groups'
+        halves must come in the live list's order), schema 1 (Muon groups first) half by half; and the gefen 0.1
+        layout ``{"muon", "backup", "backup_optimizer"}``, which migrates (see
+        :func:`gefen.checkpoint_hybrid.split_hybrid_state_dict`). As in torch, the live list keeps its order and
+        takes new dicts; a group's saved ``param_names`` replace the live ones (a hybrid without names gets them).
 
         Raises:
             CheckpointError: not a hybrid checkpoint, another backup backend, a half present in one and missing in
-                the other, or a half that fails its own validation.
+                the other, groups in another order of halves, or a half that fails its own validation.
         """
         sd: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, sd)
             if out is not None:
                 sd = out
+        self._sync()
         live = hybrid_metadata(self.backup_optimizer, self.deterministic, self._skipped_steps)
-        split = split_hybrid_state_dict(sd, self.backup_optimizer, self.deterministic, live)
+        split = split_hybrid_state_dict(sd, self.backup_optimizer, self.deterministic, live, self._group_halves)
         halves = {"muon": split.muon, "backup": split.backup}
-        for half, child in (("muon", self.muon), ("backup", self.backup)):
+        children = {half: c if c in self._children() else None for half, c in self._halves().items()}
+        for half, child in children.items():
             if (halves[half] is None) != (child is None):
                 raise CheckpointError(f"the checkpoint's {half} half does not match this hybrid's (one is empty).")
-        staged = [
-            (child, _stage_half(child, halves[half], half))
-            for half, child in (("muon", self.muon), ("backup", self.backup))
-            if child is not None
-        ]
+        staged = [(child, _stage_half(child, halves[half], half)) for half, child in children.items() if child]
         skipped = split.skipped_steps
         extra: defaultdict[Any, Any] = defaultdict(dict, copy.deepcopy(split.extra_state))  # before the commit
         for child, half_state in staged:  # commit: plain assignments
@@ -613,7 +687,15 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 child.__setstate__({"state": half_state.state, "param_groups": half_state.param_groups})
         self._skipped_steps = skipped
         self._extra_state = extra
+        ordinal = dict.fromkeys(HALVES, 0)  # the list keeps its order; each position takes its half's loaded group
+        groups = []
+        for half in self._group_halves:
+            groups.append(children[half].param_groups[ordinal[half]])  # type: ignore[union-attr]
+            ordinal[half] += 1
+        self._groups = groups
+        self._named = all("param_names" in g for g in groups)
         self._mark_groups()
+        self._record_sync(list(self._group_halves))
         for child, _ in staged:
             if isinstance(child, Gefen):
                 child._run_load_post_hooks()
