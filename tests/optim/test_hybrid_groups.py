@@ -255,7 +255,7 @@ def test_assigning_groups_that_cannot_be_placed_changes_nothing():
 def test_list_edits_reach_the_halves_as_on_adamw(backup):
     """Groups deleted from, appended to or re-inserted in the list are stepped (or not) as torch.optim.AdamW steps
     the same list: a deleted group's parameters stay put, an appended dict is the one its half steps with (its
-    defaults filled in), and the state dict follows the list's order."""
+    defaults filled in; ``zero_grad`` reaches it at once), and the state dict follows the list's order."""
     net = _net()
     opt = _hybrid(net, backup)
     hidden = net["hidden"].weight
@@ -266,6 +266,9 @@ def test_list_edits_reach_the_halves_as_on_adamw(backup):
     extra = torch.nn.Parameter(torch.ones(4))
     added = {"params": [extra], "lr": 0.1}
     opt.param_groups.append(added)
+    extra.grad = torch.ones(4)
+    opt.zero_grad()  # torch's zero_grad over the list, the appended group included
+    assert extra.grad is None
     loss_extra = lambda: _loss(net, 9) + extra.sum()  # noqa: E731
     opt.zero_grad()
     loss_extra().backward()

@@ -516,10 +516,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self._record_sync(self._group_halves + [half])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forward to both children."""
-        self._sync()
-        for child in self._children():
-            child.zero_grad(set_to_none=set_to_none)
+        """``torch.optim.Optimizer.zero_grad`` over :attr:`param_groups` (every parameter of the list, both halves',
+        whether or not its group has joined its half yet)."""
+        super().zero_grad(set_to_none=set_to_none)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -551,7 +550,6 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         check_not_inference("GefenMuonHybrid")
-        self._sync()
         shard = next((s for s in (c._any_shard() for c in self._children() if isinstance(c, Gefen)) if s), None)
         if shard is None:
             loss, skip = self._preflight(closure)
@@ -589,7 +587,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def _preflight(self, closure: Callable[[], Any] | None) -> tuple[Any, StepSkip | None]:
         """The closure, both children's gradient checks, the GradScaler decision (unscaling unless it found an
         overflow) and the NaN/Inf policy over both halves at once, before either half changes. Returns
-        ``(loss, skip)`` (see :class:`gefen.optim._base.StepSkip`; ``None``: the step runs)."""
+        ``(loss, skip)`` (see :class:`gefen.optim._base.StepSkip`; ``None``: the step runs). New groups of the list
+        join their halves first (a group that cannot is refused here, on every rank when sharded)."""
+        self._sync()
         loss = None
         if closure is not None:
             with torch.enable_grad():
