@@ -180,6 +180,19 @@ def _cuda_grads(model, step):
     model(tokens).square().mean().backward()
 
 
+def _capture_step(opt):
+    """One ``opt.step()`` captured in a CUDA graph on a side stream (torch's recipe); returns the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 @pytest.mark.parametrize("kind", ["gefen", "hybrid"])
 def test_cuda_graph_capture_of_a_capturable_step_replays_and_counts_steps(kind):
     """Warm up 2 eager steps, capture one ``step()`` in a CUDA graph, replay it 3 times with new gradients and a
@@ -201,14 +214,7 @@ def test_cuda_graph_capture_of_a_capturable_step_replays_and_counts_steps(kind):
         opt.step()
         _cuda_grads(twin, s)
         twin_opt.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture_step(opt)
     children = [opt.muon, opt.backup] if kind == "hybrid" else [opt]
     for s in range(2, 5):
         _cuda_grads(model, s)  # same gradient buffers (zero_grad(set_to_none=False))
@@ -399,14 +405,7 @@ def test_cuda_graph_capture_of_a_triton_skip_step_replays_and_skips_on_the_devic
         for m, o in ((model, opt), (twin, twin_opt)):
             _cuda_grads(m, s)
             o.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture_step(opt)
     for s in range(2, 6):
         _cuda_grads(model, s)
         if s == 3:

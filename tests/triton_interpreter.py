@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -62,3 +64,17 @@ def interpreted_kernels() -> Iterator[object]:
     finally:
         interpreter.InterpreterBuilder.create_fma = original
         triton_check._VERDICTS.clear()
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host reads (``aten._local_scalar_dense``: every ``.item()``, ``bool()``, ``int()`` of a tensor) made
+    while it is active: a steady Triton step must make none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))

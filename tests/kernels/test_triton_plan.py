@@ -29,6 +29,7 @@ from gefen.amp import usable_bound  # noqa: E402
 from gefen.kernels import _triton_kernels as kernels  # noqa: E402
 from gefen.kernels import native  # noqa: E402
 from gefen.kernels.eager import reference_step  # noqa: E402
+from gefen.kernels.triton_check import random_job, ulps_apart  # noqa: E402
 from gefen.kernels.triton_plan import GROUP_FIELDS, TritonJob, build_plan  # noqa: E402
 from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook  # noqa: E402
 from gefen.math.lookup import build_nearest_table  # noqa: E402
@@ -72,23 +73,7 @@ def _groups(*rows: dict) -> torch.Tensor:
 
 def _job(kind, numel, period, shape=(0, 0), pdt=torch.float32, gdt=torch.float32, seed=0, group=0, counter=True):
     """A job with random state (some zero blocks) and a gradient with some all-zero blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = numel // period
-    grad = (torch.randn(numel, generator=gen) * torch.exp(2 * torch.randn(numel, generator=gen)) * 1e-2).to(gdt)
-    grad.view(blocks, period)[1::5] = 0.0
-    scale = torch.rand(blocks, generator=gen) * 0.01
-    scale[::4] = 0.0
-    codes = torch.randint(0, 256, (blocks, period), generator=gen, dtype=torch.uint8)
-    param = None if kind == "momentum" else torch.randn(numel, generator=gen).to(pdt)
-    if kind == "block":
-        second = (torch.rand(blocks, generator=gen) * 1e-6,)
-    elif kind == "factored":
-        second = (torch.rand(shape[0], generator=gen) * 1e-6, torch.rand(shape[1], generator=gen) * 1e-6)
-    else:
-        second = ()
-    out = torch.zeros(numel) if kind == "momentum" else None
-    count = torch.zeros(1, dtype=torch.int64) if counter or kind != "momentum" else None
-    return TritonJob(kind, grad, codes, scale, period, group, param, second, shape, out, count)
+    return random_job(kind, numel, period, shape, pdt, gdt, torch.Generator().manual_seed(seed), group, counter)
 
 
 def _clone(job: TritonJob) -> TritonJob:
@@ -117,13 +102,7 @@ def _native(job: TritonJob, hyper: dict, step: int) -> None:
                        step=step, **hyper)  # fmt: skip
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in fp32 ulps (ordered bit patterns) between two fp32 tensors of finite values."""
-    def key(x):
-        bits = x.contiguous().view(torch.int32).to(torch.int64)
-        return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
-
-    return int((key(a) - key(b)).abs().max()) if a.numel() else 0
+_ulps = ulps_apart
 
 
 def _check_close(ours: TritonJob, theirs: TritonJob, before: torch.Tensor | None, what: str, v_ulps: int = 4) -> None:

@@ -12,7 +12,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gefen
 from gefen.kernels.native import native_status
@@ -20,7 +19,7 @@ from gefen.state import ParamState
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import interpreted_kernels  # noqa: E402
+from tests.triton_interpreter import HostReads, interpreted_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,23 +127,12 @@ def test_triton_nan_step_is_skipped_on_the_device_and_changes_nothing() -> None:
     assert opt.global_step == 3 and all(int(opt.state[p]["step"]) == 3 for _, p in params)
 
 
-class _HostReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_triton_steady_step_reads_nothing_on_the_host() -> None:
     """A steady step (plan built, nonfinite="propagate": no check) makes no ``.item()``/``bool()`` host read."""
     params, opt = _train("triton", 2, nonfinite="propagate")
     for (_, p), g in zip(params, _grads(params, 3)):
         p.grad.copy_(g)
-    with _HostReads() as mode:
+    with HostReads() as mode:
         opt.step()
     assert mode.reads == 0
     assert opt.global_step == 3
@@ -252,7 +240,7 @@ def test_triton_steps_do_not_wait_for_earlier_device_decisions(monkeypatch: pyte
                     p.grad.copy_(g)  # the same gradient tensors: the plan is reused
             if deferred:
                 settles = moved == "dropped" and step == 5  # the new batch's plan settles the NaN step first
-                with _HostReads() as mode, pytest.warns(UserWarning, match="weight") if settles else nullcontext():
+                with HostReads() as mode, pytest.warns(UserWarning, match="weight") if settles else nullcontext():
                     opt.step()
                 assert moved or mode.reads == 0, f"step {step}: {mode.reads} host reads"
             elif step != 4:

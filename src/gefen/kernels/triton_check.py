@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["self_check", "device_verdict"]
+__all__ = ["self_check", "device_verdict", "random_job", "ulps_apart"]
 
 #: The hyperparameters of the self-check's one group.
 _HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "lr": 1e-2, "weight_decay": 0.1}
@@ -61,9 +61,47 @@ def self_check(device: torch.device) -> str:
         return f"the Triton self-check could not run on {device} ({type(exc).__name__}: {exc})"
 
 
-def _problem(seed: int = 0) -> tuple[object, list[object]]:
-    """The nearest-code table and the CPU jobs (random state, some all-zero gradient blocks and magnitudes)."""
+def random_job(
+    kind: str,
+    numel: int,
+    period: int,
+    shape: tuple[int, int],
+    pdt: torch.dtype,
+    gdt: torch.dtype,
+    gen: torch.Generator,
+    group: int = 0,
+    counter: bool = True,
+) -> object:
+    """A :class:`~gefen.kernels.triton_plan.TritonJob` on the CPU with random state: some all-zero gradient blocks
+    (every fifth), zero magnitudes (every fourth block), gradients spread over several orders of magnitude.
+
+    Args:
+        kind: ``"block"``, ``"factored"`` or ``"momentum"``; numel, period: ``N`` and ``P`` (``P`` divides ``N``);
+        shape: ``(R, C)`` when factored; pdt, gdt: parameter and gradient dtypes; gen: the random source;
+        group: the group-table row; counter: give a momentum job a step counter (block and factored always have one).
+    """
     from gefen.kernels.triton_plan import TritonJob
+
+    blocks = numel // period
+    grad = torch.randn(numel, generator=gen) * torch.exp(2 * torch.randn(numel, generator=gen)) * 1e-2
+    grad.view(blocks, period)[1::5] = 0.0
+    scale = torch.rand(blocks, generator=gen) * 0.01
+    scale[::4] = 0.0
+    codes = torch.randint(0, 256, (blocks, period), generator=gen, dtype=torch.uint8)
+    param = None if kind == "momentum" else torch.randn(numel, generator=gen).to(pdt)
+    if kind == "factored":
+        second: tuple[Tensor, ...] = tuple(torch.rand(n, generator=gen) * 1e-6 for n in shape)
+    elif kind == "block":
+        second = (torch.rand(blocks, generator=gen) * 1e-6,)
+    else:
+        second = ()
+    out = torch.zeros(numel) if kind == "momentum" else None
+    count = torch.zeros(1, dtype=torch.int64) if counter or kind != "momentum" else None
+    return TritonJob(kind, grad.to(gdt), codes, scale, period, group, param, second, shape, out, count)
+
+
+def _problem(seed: int = 0) -> tuple[object, list[object]]:
+    """The nearest-code table and the CPU jobs of the self-check."""
     from gefen.math.codebook import HISTOGRAM_BINS, accumulate_histogram_, fit_codebook
     from gefen.math.lookup import build_nearest_table
 
@@ -72,25 +110,7 @@ def _problem(seed: int = 0) -> tuple[object, list[object]]:
     sample = torch.randn(64, 512, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
     accumulate_histogram_(counts, sample.reshape(-1), 512)
     table = build_nearest_table(fit_codebook(counts))
-    jobs = []
-    for kind, numel, period, shape, pdt, gdt in _SPECS:
-        blocks = numel // period
-        grad = torch.randn(numel, generator=gen) * torch.exp(2 * torch.randn(numel, generator=gen)) * 1e-2
-        grad.view(blocks, period)[1::5] = 0.0
-        scale = torch.rand(blocks, generator=gen) * 0.01
-        scale[::4] = 0.0
-        codes = torch.randint(0, 256, (blocks, period), generator=gen, dtype=torch.uint8)
-        param = None if kind == "momentum" else torch.randn(numel, generator=gen).to(pdt)
-        if kind == "factored":
-            second: tuple[Tensor, ...] = tuple(torch.rand(n, generator=gen) * 1e-6 for n in shape)
-        elif kind == "block":
-            second = (torch.rand(blocks, generator=gen) * 1e-6,)
-        else:
-            second = ()
-        out = torch.zeros(numel) if kind == "momentum" else None
-        counter = torch.zeros(1, dtype=torch.int64)
-        jobs.append(TritonJob(kind, grad.to(gdt), codes, scale, period, 0, param, second, shape, out, counter))
-    return table, jobs
+    return table, [random_job(*spec, gen) for spec in _SPECS]
 
 
 def _moved(job: object, device: torch.device) -> object:
@@ -145,8 +165,8 @@ def _compare(device: torch.device) -> str:
     return ""
 
 
-def _ulps(a: Tensor, b: Tensor) -> int:
-    """Largest distance in fp32 ulps between two fp32 tensors of finite values (ordered bit patterns)."""
+def ulps_apart(a: Tensor, b: Tensor) -> int:
+    """Largest distance in fp32 ulps between two fp32 tensors of finite values (ordered bit patterns); 0 when empty."""
 
     def key(x: Tensor) -> Tensor:
         bits = x.contiguous().view(torch.int32).to(torch.int64)
@@ -165,8 +185,8 @@ def _difference(ours: object, ref: object, before: Tensor | None) -> str:
     if r.out is not None and not torch.equal(o.out.cpu(), r.out):  # type: ignore[attr-defined]
         return "the momentum m-hat differs from the eager reference"
     for a, b in zip(o.second, r.second):  # type: ignore[attr-defined]
-        if _ulps(a.cpu(), b) > _SECOND_MOMENT_ULPS:
-            return f"a second moment is {_ulps(a.cpu(), b)} ulps from the eager reference"
+        if ulps_apart(a.cpu(), b) > _SECOND_MOMENT_ULPS:
+            return f"a second moment is {ulps_apart(a.cpu(), b)} ulps from the eager reference"
     if r.param is not None and before is not None:  # type: ignore[attr-defined]
         p, q = o.param.cpu().float(), r.param.float()  # type: ignore[attr-defined]
         inf = torch.tensor(float("inf"), dtype=r.param.dtype)  # type: ignore[attr-defined]
