@@ -28,7 +28,7 @@ def _trained(kind: str) -> dict:
     model = _model()
     named = list(model.named_parameters())
     if kind == "gefen":
-        opt = gefen.Gefen(named, lr=1e-2, fused=False)
+        opt = gefen.Gefen(named, lr=1e-2, weight_decay=0.0, fused=False)  # 0.0: the default when written
     elif kind == "gefen_muon":
         opt = gefen.GefenMuon([(n, p) for n, p in named if p.dim() == 2 and n[0] != "0"], normuon=True, fused=False)
     else:
@@ -45,7 +45,8 @@ def _two_groups() -> dict:
     model = _model()
     weights = [(n, p) for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [(n, p) for n, p in model.named_parameters() if n.endswith("bias")]
-    opt = gefen.Gefen([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2, fused=False)
+    groups = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+    opt = gefen.Gefen(groups, lr=1e-2, weight_decay=0.0, fused=False)  # 0.0: the default when written
     tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
     model(tokens).square().mean().backward()
     opt.step()

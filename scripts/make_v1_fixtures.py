@@ -32,7 +32,7 @@ def build(kind: str, m: torch.nn.Module):
     if kind == "gefen":
         return gefen.Gefen(m.named_parameters(), lr=1e-2, weight_decay=0.01, fused=False)
     if kind == "gefen_block":
-        return gefen.Gefen(m.named_parameters(), lr=1e-2, factored_v_2d=False, fused=False)
+        return gefen.Gefen(m.named_parameters(), lr=1e-2, weight_decay=0.0, factored_v_2d=False, fused=False)
     if kind == "gefen_muon":
         return gefen.GefenMuon(
             [(n, p) for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("1")], lr=1e-2, fused=False

@@ -549,7 +549,7 @@ class StagedLoad:
 #: Group keys that describe the live process, not the run: absent from a saved group is fine.
 _LIVE_ONLY_GROUP_KEYS = frozenset({"params", "param_names", "fused", "backend"})
 #: Group options added after checkpoints existed: a checkpoint without one keeps the live value.
-_ADDED_GROUP_KEYS = frozenset({"sharded_mode"})
+_ADDED_GROUP_KEYS = frozenset({"sharded_mode", "ns_coefficients"})
 
 #: Keys of a :class:`gefen.GefenMuonHybrid` state dict (``"deterministic"`` since gefen 0.x schema 2 of the
 #: children; older hybrid checkpoints lack it and load under the live policy).

@@ -222,20 +222,21 @@ def check_group(
             raise error(f"{where}['backend'] = {group['backend']!r} is not one of {', '.join(map(repr, BACKENDS))}.")
 
 
-#: ``torch.optim.AdamW`` keyword arguments and the value that means "off"; Gefen accepts only that value.
-_TORCH_ONLY_OPTIONS: dict[str, object] = {
-    "maximize": False,
-    "amsgrad": False,
-    "differentiable": False,
-    "foreach": None,
+#: ``torch.optim.AdamW`` keyword arguments and the values Gefen accepts: the "off" value, and for ``foreach``
+#: (which only picks torch's loop, never the math) any of its values.
+_TORCH_ONLY_OPTIONS: dict[str, tuple[object, ...]] = {
+    "maximize": (False,),
+    "amsgrad": (False,),
+    "differentiable": (False,),
+    "foreach": (None, False, True),
 }
 
 
 def refuse_torch_only_options(kind: str, options: Mapping[str, Any]) -> None:
     """Refuse ``torch.optim.AdamW`` options a Gefen optimizer does not implement, with a clear message.
 
-    ``foreach`` may be ``None`` or ``False``; the others only their "off" value, so code written
-    for AdamW that passes the defaults explicitly keeps working.
+    ``foreach`` may be ``None``, ``False`` or ``True`` (no effect: Gefen runs its own step); the others only
+    their "off" value, so code written for AdamW that passes the defaults explicitly keeps working.
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -244,7 +245,7 @@ def refuse_torch_only_options(kind: str, options: Mapping[str, Any]) -> None:
     for key, value in options.items():
         if key not in _TORCH_ONLY_OPTIONS:
             raise TypeError(f"{kind}.__init__() got an unexpected keyword argument {key!r}")
-        allowed = (None, False) if _TORCH_ONLY_OPTIONS[key] is None else (False,)
+        allowed = _TORCH_ONLY_OPTIONS[key]
         if not any(value is a for a in allowed):
             raise ConfigError(
                 f"{kind} does not implement torch.optim.AdamW's {key}={value!r}; remove the argument "

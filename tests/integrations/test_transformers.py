@@ -128,7 +128,7 @@ def test_gefen_overrides_win_over_training_arguments(tmp_path):
 
 
 def test_gefen_route_drops_trainers_empty_param_group(tmp_path):
-    # BitFit-style run: only biases train, so Trainer's decayed group is empty (AdamW keeps it, Gefen refuses it).
+    # BitFit-style run: only biases train, Trainer's decayed group is empty (TrainerGefen drops it, as it always did).
     model = tiny_bert()
     for name, param in model.named_parameters():
         param.requires_grad_(name.endswith(".bias"))

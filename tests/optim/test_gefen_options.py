@@ -71,7 +71,7 @@ def test_numpy_and_tensor_hyperparameters_are_accepted():
     [
         ({"maximize": True}, ConfigError, "maximize=True"),
         ({"amsgrad": True}, ConfigError, "amsgrad"),
-        ({"foreach": True}, ConfigError, "foreach"),
+        ({"differentiable": True}, ConfigError, "differentiable"),
         ({"momentum": 0.9}, TypeError, "unexpected keyword argument 'momentum'"),
     ],
 )
@@ -90,3 +90,5 @@ def test_adamw_default_options_are_accepted():
         differentiable=False,
         amsgrad=False,
     )
+    for foreach in (False, True):  # only picks torch's loop: accepted, no effect (tests/optim/test_dropin_rules.py)
+        gefen.Gefen(_mlp().parameters(), foreach=foreach)

@@ -117,8 +117,8 @@ def test_gefen_muon_is_built_by_the_shared_initialiser_like_gefen(monkeypatch: p
         ("Gefen", ["lr", "betas", "eps", "weight_decay", "factored_v_2d"], ["factored_v_2d"]),
         (
             "GefenMuon",
-            ["lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "ns_schedule", "adjust_lr_fn"]
-            + ["normuon", "normuon_beta2", "normuon_eps", "sharded_mode"],
+            ["lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"]
+            + ["ns_schedule", "normuon", "normuon_beta2", "normuon_eps", "sharded_mode"],
             ["nesterov", "normuon"],
         ),
     ]
@@ -137,7 +137,7 @@ def test_gefen_muon_is_built_by_the_shared_initialiser_like_gefen(monkeypatch: p
     ("kwargs", "env", "error", "message"),
     [
         ({"bogus": 1}, "1", TypeError, r"^{kind}\.__init__\(\) got an unexpected keyword argument 'bogus'$"),
-        ({"foreach": True}, "1", ConfigError, r"^{kind} does not implement torch\.optim\.AdamW's foreach=True;"),
+        ({"maximize": True}, "1", ConfigError, r"^{kind} does not implement torch\.optim\.AdamW's maximize=True;"),
         ({"fused": 1}, "1", TypeError, r"^{kind} fused=1 must be None, True or False\.$"),
         ({"fused": True, "backend": "eager"}, "1", ConfigError, r"^{kind}: fused=True means backend='compiled'"),
         ({}, "maybe", ConfigError, r"^environment variable GEFEN_FUSED='maybe' must be"),

@@ -455,7 +455,7 @@ class CallerGroups:
 
 CALLER_GROUPS = {
     "gefen": CallerGroups(
-        gefen.Gefen, lambda p: True, ("betas", (0.8, 0.9)), ("betas", (0.9, 1.5)), {"weight_decay": 0.0, "eps": 1e-8}
+        gefen.Gefen, lambda p: True, ("betas", (0.8, 0.9)), ("betas", (0.9, 1.5)), {"weight_decay": 1e-2, "eps": 1e-8}
     ),
     "muon": CallerGroups(
         gefen.GefenMuon,

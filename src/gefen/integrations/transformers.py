@@ -141,8 +141,9 @@ class TrainerGefen(Gefen):
 
     ``Trainer`` always passes two param groups, the decayed parameters and the rest (biases, norm weights); one
     is empty when every trainable parameter falls on one side (a model without biases or norms, or BitFit-style
-    tuning of biases only). ``torch.optim.AdamW`` keeps an empty group; Gefen refuses one, so this class drops
-    it. Everything else (arguments, errors, state, checkpoints, ``kind == "Gefen"``) is :class:`gefen.Gefen`'s,
+    tuning of biases only). ``torch.optim.AdamW`` keeps an empty group, and so does Gefen since gefen accepts
+    empty groups as torch does; this class still drops it, so that checkpoints of runs it built (one group) keep
+    loading. Everything else (arguments, errors, state, checkpoints, ``kind == "Gefen"``) is :class:`gefen.Gefen`'s,
     and a checkpoint saved by one loads into the other.
 
     Args:
@@ -158,7 +159,7 @@ class TrainerGefen(Gefen):
             kept = [
                 g for g in params if not (isinstance(g, dict) and isinstance(g.get("params"), list) and not g["params"])
             ]
-            params = kept or params  # all empty: let Gefen say there is nothing to train
+            params = kept or params  # all empty: Gefen keeps them, as AdamW does
         super().__init__(params, **kwargs)
 
 

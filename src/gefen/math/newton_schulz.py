@@ -45,21 +45,27 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
 def resolve_schedule(
-    ns_schedule: str | Sequence[Sequence[float]] | None, ns_steps: int
+    ns_schedule: str | Sequence[Sequence[float]] | None,
+    ns_steps: int,
+    ns_coefficients: Sequence[float] | None = None,
 ) -> tuple[tuple[float, float, float], ...]:
-    """The list of ``(a, b, c)`` iterations a ``(ns_schedule, ns_steps)`` setting means.
+    """The list of ``(a, b, c)`` iterations a ``(ns_schedule, ns_steps, ns_coefficients)`` setting means.
 
     Args:
-        ns_schedule: ``None`` or ``"standard"`` (``STANDARD_COEFFICIENTS`` × ``ns_steps``), ``"tuned3"``,
+        ns_schedule: ``None`` or ``"standard"`` (``ns_coefficients`` × ``ns_steps``), ``"tuned3"``,
             ``"tuned4"``, or an explicit list of 1..99 ``(a, b, c)`` triples of finite numbers.
         ns_steps: iterations of the standard schedule, ``1 <= ns_steps < 100`` (checked, then ignored, by the
             others).
+        ns_coefficients: the ``(a, b, c)`` of the standard schedule, three finite numbers (``torch.optim.Muon``'s
+            option; ``None``: ``STANDARD_COEFFICIENTS``). With another schedule it must be ``None`` or the
+            standard triple: the two options would both choose the iteration.
 
     Returns:
         A tuple of float triples.
 
     Raises:
-        ValueError: unknown name, bad ``ns_steps``, malformed or non-finite triples, empty or too long list.
+        ValueError: unknown name, bad ``ns_steps``, malformed or non-finite triples, empty or too long list,
+            ``ns_coefficients`` other than the standard ones together with another schedule.
         TypeError: ``ns_steps`` is not an int.
 
     Source: algorithm.md §7.2.
@@ -68,8 +74,15 @@ def resolve_schedule(
         raise TypeError(f"ns_steps={ns_steps!r} must be an int")
     if not 1 <= ns_steps < 100:  # checked under every schedule: an option never holds a value it would refuse later
         raise ValueError(f"ns_steps={ns_steps} must be in [1, 100)")
+    coefficients = STANDARD_COEFFICIENTS if ns_coefficients is None else _triple(ns_coefficients, "ns_coefficients")
     if ns_schedule is None or ns_schedule == "standard":
-        return (STANDARD_COEFFICIENTS,) * ns_steps
+        return (coefficients,) * ns_steps
+    if coefficients != STANDARD_COEFFICIENTS:
+        raise ValueError(
+            f"ns_coefficients={coefficients!r} and ns_schedule={ns_schedule!r} both choose the "
+            "Newton-Schulz iteration; pass one (ns_coefficients=(a, b, c) with ns_steps=k is "
+            "ns_schedule=[(a, b, c)] * k)"
+        )
     if isinstance(ns_schedule, str):
         if ns_schedule not in NS_SCHEDULES:
             raise ValueError(
@@ -79,13 +92,22 @@ def resolve_schedule(
     steps = list(ns_schedule)
     if not 1 <= len(steps) < 100:
         raise ValueError(f"an explicit ns_schedule needs 1..99 (a, b, c) triples, got {len(steps)}")
-    resolved = []
-    for i, triple in enumerate(steps):
+    return tuple(_triple(triple, f"ns_schedule[{i}]") for i, triple in enumerate(steps))
+
+
+def _triple(triple: Sequence[float], where: str) -> tuple[float, float, float]:
+    """One ``(a, b, c)`` iteration as floats.
+
+    Raises:
+        ValueError: not three finite real numbers.
+    """
+    try:
         values = tuple(float(x) for x in triple)
-        if len(values) != 3 or not all(math.isfinite(x) for x in values):
-            raise ValueError(f"ns_schedule[{i}]={triple!r} must be three finite numbers (a, b, c)")
-        resolved.append(values)
-    return tuple(resolved)  # type: ignore[return-value]
+    except (TypeError, ValueError):
+        values = ()
+    if isinstance(triple, (str, bytes)) or len(values) != 3 or not all(math.isfinite(x) for x in values):
+        raise ValueError(f"{where}={triple!r} must be three finite numbers (a, b, c)")
+    return values  # type: ignore[return-value]
 
 
 def bf16_gemm_is_native(device: torch.device) -> bool:

@@ -32,6 +32,7 @@ from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
 from gefen.kernels.backends import Backends, fused_by_default, group_backend, resolve_backend_option
 from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
+from gefen.optim._dropin import publish_group
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
     STEP,
@@ -201,7 +202,12 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step = 0
         self._skipped_steps = 0
         self._init_runtime()
-        super().__init__(params, defaults)  # torch.optim.Optimizer's
+        groups = list(params)
+        callers = [g if isinstance(g, dict) else None for g in groups]  # published once every group is accepted
+        super().__init__([dict(g) if isinstance(g, dict) else g for g in groups], defaults)  # torch.optim's
+        for index, caller in enumerate(callers if len(callers) == len(self.param_groups) else []):
+            if caller is not None:
+                publish_group(self.param_groups, index, caller)
         # capturable=True: the global step is a device counter (graph replays run no Python)
         self._global_step_t: Tensor | None = (
             torch.zeros((), dtype=torch.int64, device=self._codebook_device()) if capturable else None
@@ -300,8 +306,12 @@ class GefenOptimizer(torch.optim.Optimizer):
 
         Raises:
             TypeError: ``param_group`` is not a dict, or holds something that is not a tensor.
-            ConfigError: invalid hyperparameters, complex or duplicate parameters, or a parameter already in
+            ConfigError: invalid hyperparameters (or an option the subclass refuses in :meth:`_check_group`,
+                e.g. Gefen's ``maximize=True``), complex or duplicate parameters, or a parameter already in
                 another group.
+
+        On success the caller's dict is the new group (``param_groups[-1] is param_group``), filled in as torch
+        fills it; on a refusal it is left as it was.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"{self.kind} param_group must be a dict, got {type(param_group).__name__}.")
@@ -314,9 +324,7 @@ class GefenOptimizer(torch.optim.Optimizer):
         items = [raw] if isinstance(raw, Tensor) else raw
         if isinstance(items, set):
             raise TypeError(f"{where}['params'] is a set, whose order changes between runs; pass a list.")
-        items = list(items)
-        if not items:
-            raise ConfigError(f"{where}['params'] is empty; pass at least one parameter.")
+        items = list(items)  # an empty group is accepted, as torch accepts it (e.g. a "no decay" group of none)
         tensors = []
         for i, item in enumerate(items):
             tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
@@ -334,9 +342,11 @@ class GefenOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"{where}['params'] lists the same parameter twice; pass each parameter once.")
         self._check_group_tensors({**self.defaults, **group}, tensors, where)
         self._check_sharding({**self.defaults, **group}, tensors, where)
+        self._check_group({**self.defaults, **group, "params": tensors}, len(self.param_groups))
         group["params"] = items
-        group.update(LIVE_GROUP_CARRIERS)  # never a saved or user value (see gefen.checkpoint)
         super().add_param_group(group)
+        group.update(LIVE_GROUP_CARRIERS)  # never a saved or user value (see gefen.checkpoint)
+        publish_group(self.param_groups, -1, param_group)  # the caller's dict is the group, as in torch
 
     def _check_sharding(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         """Sharded (DTensor) parameters: FSDP2's layout, one mesh for the whole optimizer, no plain tensors mixed
@@ -622,7 +632,8 @@ class GefenOptimizer(torch.optim.Optimizer):
         raise nonfinite_error(self.kind, bad[0], policy_name(self.deterministic) if everything else None)
 
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
-        """Subclass hook: extra per-group validation at step time (raise ConfigError)."""
+        """Subclass hook: extra per-group validation of a new group (``add_param_group``, with its tensors in
+        ``params``), of every group at step time and of every saved group on load (raise ConfigError)."""
 
     def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
         """Subclass hook: validate a new group's options against its tensors (raise ConfigError)."""
@@ -715,7 +726,11 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._tables = {key: entry for key, entry in self._tables.items() if entry[0] is codebook}
 
     def _codebook_device(self) -> torch.device:
-        return local(self.param_groups[0]["params"][0]).device
+        """The first parameter's device (groups may be empty, as in torch; the CPU when every one is)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                return local(p).device
+        return torch.device("cpu")
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -27,6 +27,7 @@ from gefen.math.moments import (
 )
 from gefen.optim._base import GefenOptimizer, StepSkip, WorkItem
 from gefen.optim._capture import capturing, check_capture, check_not_inference
+from gefen.optim._dropin import as_torch_betas, check_adamw_flags
 from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
 from gefen.sharding import (
     BlockShard,
@@ -98,9 +99,10 @@ class Gefen(GefenOptimizer):
             ``weight_decay`` and ``factored_v_2d`` are honoured.
         lr: η, float ``>= 0`` or a 1-element tensor. Recommended: about 0.6–1× your tuned AdamW lr (see the
             README's lr rule).
-        betas: ``(β1, β2)``, each in ``[0, 1)``.
+        betas: ``(β1, β2)``, each in ``[0, 1)`` (floats, or 1-element tensors stored 0-dim as AdamW stores them).
         eps: ε, finite and ``> 0``; added to the bias-corrected root as in AdamW.
-        weight_decay: λ ``>= 0``, decoupled (``p ← p·(1 − ηλ)``).
+        weight_decay: λ ``>= 0``, decoupled (``p ← p·(1 − ηλ)``); default ``1e-2``, AdamW's.
+        amsgrad: AdamW's positional option, accepted only as ``False`` (``ConfigError`` otherwise).
         factored_v_2d: factored (Adafactor row/column) second moment for 2-D parameters whose statistics cost
             at most 0.5 byte/param (``8·(R + C) <= R·C``; thin matrices keep the block form); ``False`` uses one
             value per block for every tensor.
@@ -143,9 +145,11 @@ class Gefen(GefenOptimizer):
             itself before its first write (the CPU's native library in its own passes; the compiled kernels under
             ``"skip"`` on the device, the skip then counted and warned about when the host next looks, see
             :mod:`gefen.nonfinite`); otherwise one min/max reduction per gradient and one host read per step.
-        **torch_options: ``torch.optim.AdamW`` options, accepted only at their "off" value (``maximize=False``,
-            ``amsgrad=False``, ``differentiable=False``, ``foreach`` ``None`` or ``False``) so AdamW call sites
-            keep working; anything else is refused.
+        **torch_options: ``torch.optim.AdamW``'s other options, accepted at the values Gefen implements so AdamW
+            call sites keep working (``maximize=False``, ``differentiable=False``; ``foreach`` ``None``, ``False``
+            or ``True``, which only picks torch's loop and has no effect here); anything else is refused. The same
+            keys in a param group are checked the same way (``capturable`` there must equal the optimizer's);
+            Gefen's groups do not store them (README, "torch.optim compatibility").
 
     Mixed precision: ``torch.amp.GradScaler`` works unchanged. fp32/bf16 gradients take the scaler's ordinary
     path; true fp16 gradients use the optimizer-side protocol (:mod:`gefen.amp`): an overflow step changes
@@ -185,7 +189,8 @@ class Gefen(GefenOptimizer):
         lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         factored_v_2d: bool = True,
         backend: str = "auto",
@@ -197,7 +202,7 @@ class Gefen(GefenOptimizer):
     ) -> None:
         defaults = {
             "lr": lr,
-            "betas": tuple(betas) if isinstance(betas, list) else betas,
+            "betas": as_torch_betas(betas),
             "eps": eps,
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
@@ -211,8 +216,15 @@ class Gefen(GefenOptimizer):
             deterministic=deterministic,
             capturable=capturable,
             nonfinite=nonfinite,
-            torch_options=torch_options,
+            torch_options={"amsgrad": amsgrad, **torch_options},
         )
+
+    def _check_group(self, group: Mapping[str, Any], index: int) -> None:
+        """AdamW's implementation flags in a group: honoured at the values Gefen implements, refused otherwise
+        (never ignored; see :func:`gefen.optim._dropin.check_adamw_flags`). Not inside a ``torch.compile`` trace:
+        dynamo writes ``capturable=True`` into the groups it traces (and the eager steps before it checked them)."""
+        if not torch.compiler.is_compiling():
+            check_adamw_flags(group, f"{self.kind} param_groups[{index}]", self.capturable)
 
     def _publish_load(self, staged: StagedLoad) -> None:
         """Publish a load, keeping each group's live ``backend`` and ``fused``: saved hyperparameters win as in

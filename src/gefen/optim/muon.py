@@ -15,7 +15,14 @@ from gefen.kernels.compiled import kernel_grad, lerp_high
 from gefen.kernels.fused import fused_momentum_, write_param_
 from gefen.kernels.scalars import COMPILED_LAYOUT, StepScalars
 from gefen.math.moments import apply_update_
-from gefen.math.newton_schulz import ADJUST_LR_FNS, adjust_lr_ratio, newton_schulz, normuon_, resolve_schedule
+from gefen.math.newton_schulz import (
+    ADJUST_LR_FNS,
+    STANDARD_COEFFICIENTS,
+    adjust_lr_ratio,
+    newton_schulz,
+    normuon_,
+    resolve_schedule,
+)
 from gefen.optim.gefen import Gefen
 from gefen.sharding import all_reduce_, as_sharded, gather_rows, gather_rows_to, local_state, scatter_rows_from
 from gefen.state import (
@@ -66,11 +73,14 @@ class GefenMuon(Gefen):
         weight_decay: λ >= 0, decoupled, with the raw lr.
         momentum: β in ``[0, 1)``.
         nesterov: use the Nesterov combination ``U = β·m̂ + (1−β)·G``.
-        ns_steps: iterations of the ``standard`` schedule, ``1 <= ns_steps < 100``.
+        ns_coefficients: ``(a, b, c)`` of each iteration of the ``standard`` schedule (three finite numbers),
+            as in ``torch.optim.Muon``.
         eps: > 0, floor of the Frobenius norm in Newton–Schulz.
-        ns_schedule: ``None``/``"standard"``, ``"tuned3"``, ``"tuned4"`` or a list of ``(a, b, c)``.
+        ns_steps: iterations of the ``standard`` schedule, ``1 <= ns_steps < 100``.
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, R/C))``) or ``"match_rms_adamw"``
             (``0.2·sqrt(max(R, C))``, so an AdamW-scale lr fits).
+        ns_schedule: ``None``/``"standard"`` (``ns_coefficients`` × ``ns_steps``), ``"tuned3"``, ``"tuned4"`` or a
+            list of ``(a, b, c)``; another schedule than the standard one takes the default ``ns_coefficients``.
         normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4).
         normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
         normuon_eps: NorMuon ε > 0.
@@ -108,11 +118,12 @@ class GefenMuon(Gefen):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = STANDARD_COEFFICIENTS,
         eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
         *,
         ns_schedule: str | Sequence[Sequence[float]] | None = None,
-        adjust_lr_fn: str | None = None,
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
@@ -129,10 +140,11 @@ class GefenMuon(Gefen):
             "weight_decay": weight_decay,
             "momentum": momentum,
             "nesterov": nesterov,
-            "ns_steps": ns_steps,
+            "ns_coefficients": ns_coefficients,
             "eps": eps,
-            "ns_schedule": ns_schedule,
+            "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "ns_schedule": ns_schedule,
             "normuon": normuon,
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
@@ -300,7 +312,7 @@ class GefenMuon(Gefen):
         """Newton–Schulz of ``update`` with the group's schedule (an empty matrix stays empty)."""
         if update.numel() == 0:
             return update
-        schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"])
+        schedule = resolve_schedule(group["ns_schedule"], group["ns_steps"], group.get("ns_coefficients"))
         return newton_schulz(update, schedule, as_float(group["eps"]))
 
     def _finish(self, job: StepJob, orthogonal: Tensor) -> None:
@@ -365,8 +377,8 @@ def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
         )
     if group.get("sharded_mode", "exact") not in SHARDED_MODES:
         raise ConfigError(f"{where}['sharded_mode']={group.get('sharded_mode')!r} must be one of {SHARDED_MODES}.")
-    if "ns_steps" in group or "ns_schedule" in group:
+    if "ns_steps" in group or "ns_schedule" in group or "ns_coefficients" in group:
         try:
-            resolve_schedule(group.get("ns_schedule"), group.get("ns_steps", 5))
+            resolve_schedule(group.get("ns_schedule"), group.get("ns_steps", 5), group.get("ns_coefficients"))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
