@@ -1,8 +1,8 @@
-"""Per-parameter state (``gefen.state``): what it costs per shape (about one byte per parameter; per-element
-statistics for small tensors of one-element rows), how the optimizer counts it (``state_bytes``,
-``state_report``), and a state that no longer fits its parameter: a parameter changed under the optimizer (resized
-or reshaped in place after its state exists) is refused in the preflight, naming the parameter and the fix, before
-anything changes (case 009); dropping its state lets it start afresh."""
+"""Per-parameter state (``gefen.state``): what it costs per shape (about one byte per parameter, tensors of
+one-element rows included; tests/optim/test_shapes_memory.py holds the property over shapes), how the optimizer
+counts it (``state_bytes``, ``state_report``), and a state that no longer fits its parameter: a parameter changed
+under the optimizer (resized or reshaped in place after its state exists) is refused in the preflight, naming the
+parameter and the fix, before anything changes (case 009); dropping its state lets it start afresh."""
 
 from __future__ import annotations
 
@@ -96,16 +96,19 @@ def test_odd_shapes_stay_near_one_byte_per_param(shape):
     assert opt.state_bytes() - 1024 <= 1.01 * p.numel() + 64
 
 
-@pytest.mark.parametrize("shape", [(7919,), (4096, 1), (65536,)])
-def test_small_tensors_with_one_element_rows_take_per_element_statistics(shape):
-    """The row rule (``row_aligned_period``): rows of one element hold one-element blocks up to 65,536 elements
-    (biases, norm weights: AdamW's per-element statistics), at most 9 bytes x 65,536 = 576 KiB per tensor."""
+@pytest.mark.parametrize("shape, period", [((7919,), 7919), ((4096, 1), 2048), ((65536,), 2048)])
+def test_tensors_with_one_element_rows_take_the_flattened_period(shape, period):
+    """The layout rule (``layout_period``): rows of one element are too short to hold a block, so the tensor keeps
+    the period of its flattened gradient. A constant gradient has no block structure (every §3.2 score is 0): the
+    §3.4 fallback, the largest divisor <= 2048 (7919 is prime: the whole tensor). State: one byte of codes per
+    element, a 4-byte magnitude and a 4-byte second moment per block, two int64 counters (it was 9 bytes/element:
+    one-element blocks)."""
     p = torch.nn.Parameter(torch.zeros(shape))
     opt = gefen.Gefen([p], lr=1e-3)
-    p.grad = torch.randn(shape)
+    p.grad = torch.full(shape, 0.25)
     opt.step()
-    assert int(opt.state[p]["period"]) == 1
-    assert opt.state_bytes() - 1024 == 9 * p.numel() + 16  # codes 1 + magnitude 4 + second moment 4; two counters
+    assert int(opt.state[p]["period"]) == period
+    assert opt.state_bytes() - 1024 == p.numel() + 8 * (p.numel() // period) + 16
 
 
 def test_state_bytes_counts_live_tensors_and_report_adds_up():

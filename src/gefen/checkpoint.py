@@ -55,9 +55,18 @@ from gefen.checkpoint_interop import check_codebook_provenance, check_flattened_
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
-from gefen.math.period import PERIOD_SEARCH_VARIANT
-from gefen.sharding import SHARDED_KEYS, RowShard, as_sharded, is_dtensor, mesh_key, sharded_shape
-from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, PERIOD, STEP, SecondMomentKind, state_spec
+from gefen.math.period import PERIOD_SEARCH_VARIANT, is_short_rowed, spans_rows
+from gefen.sharding import (
+    SHARDED_KEYS,
+    BlockShard,
+    RowShard,
+    as_sharded,
+    is_dtensor,
+    mesh_key,
+    sharded_shape,
+    state_shard,
+)
+from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, NORMUON_V, PERIOD, STEP, SecondMomentKind, state_spec
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -401,14 +410,19 @@ def stage_param_state(
             f"{where}['{PERIOD}']={period} does not divide the parameter's {numel} elements "
             f"(shape {tuple(shape)}); the checkpoint belongs to another model."
         )
-    if shard is not None and shard.row_length % period != 0:
+    if shard is not None and kind == "factored" and spans_rows(tuple(shape), period):
         raise CheckpointError(
             f"{where}['{PERIOD}']={period} does not divide the row length {shard.row_length} of the sharded "
-            f"parameter {tuple(shape)}: its blocks straddle rows, which a Shard(0) layout cannot split. It was saved "
-            "under gefen's earlier free period rule: resume that run in one process, or give this parameter zero "
-            "counters {'step': 0, 'period': 0} (its moments restart)."
+            f"parameter {tuple(shape)}, whose second moment is factored: its blocks straddle rows, which the sharded "
+            "factored step cannot split. It was saved under gefen's earlier free period rule: resume that run in one "
+            "process (or with factored_v_2d=False), or give this parameter zero counters {'step': 0, 'period': 0} "
+            "(its moments restart)."
         )
     spec = state_spec(tuple(shape), period, kind)
+    if kind == "momentum" and set(saved) - set(spec) == {NORMUON_V, NORMUON_STEP} and is_short_rowed(tuple(shape)):
+        # saved before NorMuon left out matrices with rows of <= 8 elements (gefen.state.second_moment_kind): its
+        # row statistics no longer apply; the momentum loads as saved
+        saved = {key: value for key, value in saved.items() if key not in (NORMUON_V, NORMUON_STEP)}
     if set(saved) != set(spec):
         raise CheckpointError(
             f"{where} has keys {sorted(saved)}, expected {sorted(spec)} for a {kind} state "
@@ -471,14 +485,20 @@ def _stage_rows(
     where: str,
     device: torch.device | None,
 ) -> Tensor:
-    """This rank's rows of a row-sharded state tensor, validated and wrapped for the live layout."""
+    """This rank's rows of a row-sharded state tensor (its blocks, for blocks straddling rows: see
+    :mod:`gefen.sharding`), validated and wrapped for the live layout."""
     if not shape:
         raise CheckpointError(
             f"{where} is a DTensor but the live parameter is a 0-dim tensor (never sharded); gather the checkpoint "
             "first (torch.distributed.checkpoint's get_optimizer_state_dict with full_state_dict=True)."
         )
     rows = shape[0]
-    full_shape = sharded_shape(key, spec.shape, period, rows)
+    spanning = spans_rows(tuple(shape), period)
+    full_shape = sharded_shape(key, spec.shape, period, rows, spanning)
+    if shard is not None and spanning and key != NORMUON_V:  # blocks straddle rows: sharded by blocks
+        split = state_shard(shard, period)
+        assert isinstance(split, BlockShard)
+        shard = split.blocks
     if value.dtype != spec.dtype:
         raise CheckpointError(f"{where} has dtype {value.dtype}, expected {spec.dtype}.")
     if is_dtensor(value):

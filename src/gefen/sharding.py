@@ -5,9 +5,9 @@ Gefen supports the layout FSDP2's ``fully_shard`` produces: a DTensor on a 1-D `
 ``Shard(0)`` placement, rows split by ``torch.chunk`` arithmetic (``ceil(R / world)`` rows per rank, trailing ranks
 possibly empty). Every optimizer's DTensor parameters must share one mesh.
 
-**State layout.** Blocks never straddle rows (the one period rule of every parameter, sharded or not:
-:func:`gefen.math.period.row_aligned_period`): the period ``P`` divides the row length ``L = numel / R``, so the
-``k = L / P`` blocks of a row live on the rank that holds the row. The state of a sharded parameter is therefore
+**State layout.** The one layout rule of every parameter, sharded or not (:func:`gefen.math.period.layout_period`),
+keeps blocks inside rows wherever rows are long enough: the period ``P`` divides the row length ``L = numel / R``, so
+the ``k = L / P`` blocks of a row live on the rank that holds the row. The state of such a parameter is therefore
 sharded exactly like the parameter, as DTensors on the same mesh with ``Shard(0)``:
 
 ==========================  ==========  =============  ==========================================
@@ -19,8 +19,19 @@ key                         dtype       global shape   meaning
 ``normuon_v``               float32     (R,)           NorMuon row EMA (GefenMuon)
 ==========================  ==========  =============  ==========================================
 
-Flattened, ``(R, k, P)`` is exactly the single-process ``(B, P)`` layout (``B = R·k``), and the codebook is
-learned from the histogram summed over all ranks, so the state does not depend on the world size:
+Flattened, ``(R, k, P)`` is exactly the single-process ``(B, P)`` layout (``B = R·k``).
+
+A short-rowed parameter (rows of at most 8 elements: 1-D biases and norm weights, ``(R, 1)`` columns) has blocks
+spanning rows (:func:`gefen.math.period.spans_rows`; also a period saved under gefen's earlier free rule). Its
+``first_moment_codes`` ``(B, P)``, ``first_moment_scale`` and ``second_moment`` ``(B,)`` are sharded by *blocks*
+(``Shard(0)`` of the single-process shapes: ``ceil(B / world)`` blocks per rank, :class:`BlockShard`; NorMuon's
+``(R,)`` stays sharded by rows). Its step gathers the full gradient and parameter (the blocks a rank holds cover other
+ranks' rows), runs the ordinary kernels on the elements of this rank's blocks, and gathers the updated elements back so
+every rank writes its own rows: three all-gathers of such (small) tensors per step, each block computed exactly as in
+one process. So every shape keeps about one byte of state per element on each rank.
+
+With either layout the codebook is learned from the histogram summed over all ranks, so the state does not depend on
+the world size:
 ``torch.distributed.checkpoint`` reshards it N → M like any DTensor, and a full (gathered) state loads into a single
 process. Source: hardening.md §5.2 (FSDP2 stepping), with the rank-independent layout as Gefen's design.
 """
@@ -36,10 +47,24 @@ import torch
 from torch import Tensor
 
 from gefen.errors import ConfigError
-from gefen.state import FIRST_MOMENT_CODES, FIRST_MOMENT_SCALE, NORMUON_V, SECOND_MOMENT, SECOND_MOMENT_ROW
+from gefen.math.period import spans_rows
+from gefen.state import (
+    FIRST_MOMENT_CODES,
+    FIRST_MOMENT_SCALE,
+    NORMUON_STEP,
+    NORMUON_V,
+    SECOND_MOMENT,
+    SECOND_MOMENT_ROW,
+    SecondMomentKind,
+)
 
 __all__ = [
     "RowShard",
+    "BlockShard",
+    "state_shard",
+    "block_job_tensors",
+    "gather_blocks",
+    "write_rows_",
     "is_dtensor",
     "row_shard",
     "local",
@@ -111,6 +136,51 @@ class RowShard:
         return chunk_rows(self.rows, self.world, rank)
 
 
+@dataclass(frozen=True)
+class BlockShard:
+    """The blocks this rank holds of a sharded parameter whose blocks straddle rows (see the module docstring).
+
+    Attributes:
+        rows: the parameter's rows held here (its :class:`RowShard`).
+        blocks: the blocks held here, as a :class:`RowShard` of the ``(B, P)`` block matrix (``torch.chunk``
+            arithmetic over ``B``: ``[start, stop)`` blocks).
+        period: the block period ``P``.
+    """
+
+    rows: RowShard
+    blocks: RowShard
+    period: int
+
+    @property
+    def world(self) -> int:
+        """The mesh size."""
+        return self.rows.world
+
+    @property
+    def group(self) -> Any:
+        """The mesh's process group."""
+        return self.rows.group
+
+    @property
+    def elements(self) -> tuple[int, int]:
+        """Flat elements ``[start, stop)`` of the parameter covered by this rank's blocks."""
+        return self.blocks.start * self.period, self.blocks.stop * self.period
+
+
+def state_shard(shard: RowShard, period: int) -> RowShard | BlockShard:
+    """How a sharded parameter's block state is split: by rows (``shard`` itself) when ``period`` divides its row
+    length, by blocks (a :class:`BlockShard`) when its blocks straddle rows (:func:`gefen.math.period.spans_rows`)."""
+    if not spans_rows(shard.shape, period):
+        return shard
+    n_blocks = 1
+    for d in shard.shape:
+        n_blocks *= d
+    n_blocks //= period
+    start, stop = chunk_rows(n_blocks, shard.world, shard.rank)
+    blocks = RowShard(shard.mesh, shard.group, shard.rank, shard.world, (n_blocks, period), start, stop)
+    return BlockShard(shard, blocks, period)
+
+
 def mesh_key(mesh: Any) -> tuple[Any, ...]:
     """A content key of a ``DeviceMesh`` (device type, shape and ranks): equal meshes compare equal even when
     they are distinct objects."""
@@ -153,11 +223,14 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def sharded_shape(key: str, shape: tuple[int, ...], period: int, rows: int) -> tuple[int, ...]:
+def sharded_shape(key: str, shape: tuple[int, ...], period: int, rows: int, spanning: bool = False) -> tuple[int, ...]:
     """Global shape of sharded state ``key`` for a single-process shape ``shape`` (``(B, P)``, ``(B,)`` or
-    ``(R,)``) of a parameter with ``rows`` rows: ``(R, k, P)``, ``(R, k)`` or ``(R,)``."""
+    ``(R,)``) of a parameter with ``rows`` rows: ``(R, k, P)``, ``(R, k)`` or ``(R,)``; with ``spanning`` (blocks
+    straddle rows, sharded by blocks: see the module docstring) the single-process shape itself."""
     if key in (NORMUON_V, SECOND_MOMENT_ROW):
         return (rows,)
+    if spanning:
+        return tuple(shape)
     blocks_per_row = shape[0] // rows
     return (rows, blocks_per_row, period) if key == FIRST_MOMENT_CODES else (rows, blocks_per_row)
 
@@ -236,6 +309,53 @@ def scatter_rows_from(full: Tensor | None, like: Tensor, shard: RowShard, owner:
     return out[: shard.stop - shard.start]
 
 
+def _gathered(local_rows: Tensor, shard: RowShard) -> Tensor:
+    """:func:`gather_rows` of ``local_rows`` in its own dtype, through float32 for 16-bit floats (exact both ways;
+    not every backend all-gathers them)."""
+    if local_rows.dtype in (torch.float16, torch.bfloat16):
+        return gather_rows(local_rows.float(), shard).to(local_rows.dtype)
+    return gather_rows(local_rows, shard)
+
+
+def gather_blocks(local_blocks: Tensor, shard: BlockShard) -> Tensor:
+    """All-gather the elements of every rank's blocks: the full flat tensor of ``B·P`` elements (collective).
+
+    Args:
+        local_blocks: this rank's blocks' elements, any shape with ``(stop − start)·P`` elements.
+        shard: the parameter's :class:`BlockShard`.
+    """
+    return _gathered(local_blocks.reshape(-1, shard.period), shard.blocks).reshape(-1)
+
+
+def block_job_tensors(param: Tensor, grad_rows: Tensor, shard: BlockShard) -> tuple[Tensor, Tensor]:
+    """The tensors a backend steps for a parameter sharded by blocks: the elements of this rank's blocks of the
+    parameter (a fresh contiguous copy, the update's target) and of its gradient (two all-gathers of rows).
+
+    Args:
+        param: the parameter (a ``Shard(0)`` DTensor).
+        grad_rows: this rank's rows of its gradient (a plain tensor).
+        shard: its :class:`BlockShard`.
+
+    Returns:
+        ``(target, grad)``, each 1-D with ``(stop − start)·P`` elements, in the parameter's and the gradient's
+        dtypes; send ``target`` back with :func:`write_rows_` once it is updated.
+    """
+    start, stop = shard.elements
+    grad = _gathered(grad_rows, shard.rows).reshape(-1)[start:stop]
+    target = _gathered(local(param).detach(), shard.rows).reshape(-1)[start:stop].clone()
+    return target, grad
+
+
+def write_rows_(param: Tensor, target: Tensor, shard: BlockShard) -> None:
+    """Gather every rank's updated block elements (``target`` of :func:`block_job_tensors`) and write this rank's
+    rows of the parameter from them (collective; every rank calls it in the same order)."""
+    full = gather_blocks(target, shard)
+    rows = shard.rows
+    length = rows.row_length
+    here = local(param)
+    here.detach().copy_(full[rows.start * length : rows.stop * length].view(here.shape))
+
+
 def collective_device(shard: RowShard) -> torch.device:
     """Where a collective's tensors live on the mesh of ``shard``: the current CUDA device for a CUDA mesh
     (NCCL), else the CPU (gloo)."""
@@ -267,15 +387,31 @@ def init_sharded_state(target: Tensor, shard: RowShard, period: int, kind: Any, 
     Args:
         target: this rank's rows of the parameter, ``(R_local,) + shape[1:]``.
         shard: the parameter's :class:`RowShard`.
-        period: ``P`` dividing the row length.
+        period: ``P`` dividing ``numel`` (blocks straddling rows are sharded by blocks: see the module docstring).
         kind: second-moment kind (``"block"``, ``"factored"``, ``"momentum"`` or ``"momentum_normuon"``).
         zero_code: index of the codebook's exact zero.
     """
-    from gefen.state import init_state
+    from gefen.state import init_state, normuon_state, state_spec
 
-    state: dict[str, Any] = init_state(target, period, kind, zero_code)
-    blocks_per_row = shard.row_length // period
+    split = state_shard(shard, period)
     rows_here = shard.stop - shard.start
+    if isinstance(split, BlockShard):  # blocks straddle rows: the block tensors are sharded by blocks
+        blocks_here = split.blocks.stop - split.blocks.start
+        # this rank's blocks as a parameter of its own (a 1-D stand-in: the block and momentum kinds need no shape)
+        stand_in = target.new_empty(blocks_here * period)
+        own_kind: SecondMomentKind = "momentum" if kind == "momentum_normuon" else kind
+        state: dict[str, Any] = init_state(stand_in, period, own_kind, zero_code)
+        spec = state_spec(shard.shape, period, kind)
+        for key in SHARDED_KEYS:
+            if key in state:
+                state[key] = as_sharded(state[key], split.blocks, spec[key].shape)
+        if kind == "momentum_normuon":  # NorMuon's row statistics stay with the rows
+            normuon = normuon_state(rows_here, target.device, None)
+            state[NORMUON_V] = as_sharded(normuon[NORMUON_V], shard, (shard.rows,))
+            state[NORMUON_STEP] = normuon[NORMUON_STEP]
+        return state
+    state = init_state(target, period, kind, zero_code)
+    blocks_per_row = shard.row_length // period
     for key in SHARDED_KEYS:
         if key in state:
             full = sharded_shape(key, (shard.rows * blocks_per_row, period), period, shard.rows)

@@ -33,6 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gefen.math.period import is_short_rowed, spans_rows
+
 __all__ = [
     "STEP",
     "PERIOD",
@@ -47,6 +49,7 @@ __all__ = [
     "TensorSpec",
     "state_spec",
     "is_factorable",
+    "layout_name",
     "second_moment_kind",
     "placeholder_state",
     "normuon_state",
@@ -160,17 +163,45 @@ def second_moment_kind(optimizer: str, shape: tuple[int, ...], group: Mapping[st
             ``False``).
 
     Returns:
-        ``"momentum_normuon"``/``"momentum"`` for GefenMuon; for Gefen ``"factored"`` when ``factored_v_2d`` and
-        :func:`is_factorable`, else ``"block"``.
+        ``"momentum_normuon"``/``"momentum"`` for GefenMuon (``"momentum"`` also with ``normuon`` for a matrix whose
+        rows are too short to hold a block, :func:`gefen.math.period.is_short_rowed`: NorMuon's one fp32 per row
+        would cost ``4/C >= 0.5`` bytes per element, 4 for a ``(R, 1)`` column, the per-row cost the thin-matrix
+        rule of :func:`is_factorable` refuses the factored moment too); for Gefen ``"factored"`` when
+        ``factored_v_2d`` and :func:`is_factorable`, else ``"block"``.
 
     Raises:
         ValueError: an unknown ``optimizer``.
     """
     if optimizer == "GefenMuon":
-        return "momentum_normuon" if group.get("normuon", False) is True else "momentum"
+        normuon = group.get("normuon", False) is True and not is_short_rowed(tuple(shape))
+        return "momentum_normuon" if normuon else "momentum"
     if optimizer != "Gefen":
         raise ValueError(f"unknown optimizer kind {optimizer!r}")
     return "factored" if group.get("factored_v_2d", True) is True and is_factorable(shape) else "block"
+
+
+def layout_name(shape: tuple[int, ...], period: int, kind: SecondMomentKind) -> str:
+    """How a parameter's state is laid out, in words (``state_report()``'s ``layout``).
+
+    Args:
+        shape: the parameter's (global) shape.
+        period: its block period ``P``.
+        kind: its state kind.
+
+    Returns:
+        ``"factored"`` (Adafactor row/column second moment, blocks inside rows); ``"blocks (flattened: degenerate
+        shape)"`` for a shape whose rows are too short to hold a block (:func:`gefen.math.period.is_short_rowed`:
+        1-D, ``(R, 1)``, ``(R, C <= 8)``, ``(C, 1, 1, 1)``; its blocks span rows,
+        :func:`gefen.math.period.layout_period`); ``"blocks (spanning rows)"`` for blocks that straddle the rows of
+        an ordinary shape (a period saved under gefen's earlier free rule); else ``"blocks"`` (blocks inside rows).
+    """
+    if kind == "factored":
+        return "factored"
+    if is_short_rowed(tuple(shape)):
+        return "blocks (flattened: degenerate shape)"
+    if spans_rows(tuple(shape), period):
+        return "blocks (spanning rows)"
+    return "blocks"
 
 
 def placeholder_state(kind: SecondMomentKind | None = None) -> dict[str, Tensor]:
@@ -205,9 +236,9 @@ def state_mismatch(state: Mapping[str, Any], shape: tuple[int, ...], device: tor
     """Why a live state no longer fits its parameter (resized or moved after the state was created), or ``None``.
 
     Args:
-        state: the parameter's state (this rank's rows of a sharded one, in single-process shapes); a state without
-            ``first_moment_codes`` (none yet) always fits.
-        shape: the parameter's shape (this rank's rows of a sharded one).
+        state: the parameter's state (a sharded one as its DTensors, which report their global shapes); a state
+            without ``first_moment_codes`` (none yet) always fits.
+        shape: the parameter's (global) shape.
         device: the parameter's device.
 
     Returns:

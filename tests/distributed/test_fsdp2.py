@@ -25,7 +25,7 @@ VOCAB = 64
 
 def model_fn(bias: bool = False) -> torch.nn.Module:
     """A tiny LM; 64 rows split unevenly over 3 ranks (22, 22, 20). Its single-process periods divide the row
-    lengths, which the row rule (``gefen.math.period.row_aligned_period``) keeps as they are."""
+    lengths, which the layout rule (``gefen.math.period.layout_period``) keeps as they are."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Embedding(VOCAB, 32),

@@ -1,9 +1,11 @@
 """One optimizer at every scale (issue 16): FSDP2 training equals single-process training, default options.
 
 The model has row-scaled gradients (regression targets of very different scales per output) and a weight, (24, 40),
-whose freely searched period (80) would straddle rows: the one period rule (``row_aligned_period``) gives it 40 on
+whose freely searched period (80) would straddle rows: the one layout rule (``layout_period``) gives it 40 on
 1 or N ranks. Gefen runs with its defaults: the factored second moment for 2-D weights (under FSDP2 its column
-statistics are all-reduced each step) and one-element blocks for the 1-D biases. Every rank feeds the same batch.
+statistics are all-reduced each step) and, for the 1-D biases, the period of the flattened gradient (rows of one
+element are too short to hold a block: ``layout_period``), whose block state FSDP2 shards by blocks. Every rank feeds
+the same batch.
 
 * 2 ranks (even shards): FSDP's averaged gradient ``(g + g) / 2`` is exactly ``g``, so the run equals the
   single-process run bit for bit (parameters, losses, codebook).
@@ -95,7 +97,9 @@ def test_the_model_has_a_free_period_that_straddles_rows():
     assert first_period(weight.grad) == 80 and weight.shape[1] % 80 != 0  # a block would span two rows of 40
     reference = _single("gefen", 1)
     assert reference["periods"]["4.weight"] == 40
-    assert reference["periods"]["0.bias"] == 1  # 1-D: one-element blocks
+    # 1-D (rows of one element): the flattened period, here the whole bias (§3.4 fallback); under FSDP2 its block
+    # state is sharded by blocks (one block: rank 0 holds it, and rank 1 nothing)
+    assert reference["periods"]["0.bias"] == 48 and reference["periods"]["4.bias"] == 24
     assert reference["factored"] == ["0.weight", "2.weight", "4.weight"]
 
 

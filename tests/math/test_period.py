@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 from gefen.kernels import native
 from gefen.kernels.first_step import find_period, first_period
 from gefen.math.period import (
+    SHORT_ROW,
     divisors,
     fallback_period,
+    is_short_rowed,
     largest_divisor_at_most,
+    layout_period,
     search_period,
+    spans_rows,
 )
 from tests.reference.period_ref import reference_search_period
 
@@ -151,3 +155,68 @@ def test_result_always_divides_numel():
         p = find_period(torch.randn(n, generator=gen))
         assert n % p == 0
         assert p > 1  # every n >= 8 here has a divisor in [8, 2048] or is <= 2048 itself
+
+
+# ---------------------------------------------------------------------------------------------- the layout rule
+
+
+@pytest.mark.parametrize(
+    "shape, short",
+    [
+        ((4096,), True),  # 1-D: rows of one element
+        ((4096, 1), True),  # a column (per-row scale, one-output linear layer)
+        ((4096, 8), True),  # rows of 8 elements: the search never selects a period <= 8
+        ((64, 3, 1, 1), True),  # 1x1 conv over 3 channels: rows of 3
+        ((4096, 1, 1), True),
+        ((4096, 9), False),
+        ((1, 4096), False),  # one long row
+        ((3, 5000), False),
+        ((64, 1, 3, 3), False),  # depthwise 3x3: rows of 9
+        ((1,), False),  # one element: nothing to share
+        ((), False),
+        ((1, 1), False),
+        ((0, 4), False),
+    ],
+)
+def test_short_rowed_shapes_are_those_with_rows_of_at_most_eight(shape, short):
+    assert is_short_rowed(shape) is short
+
+
+@pytest.mark.parametrize(
+    "period, shape, expected",
+    [
+        (2048, (4096, 1), 2048),  # short rows: the flattened period is kept (one-element rows would give 1)
+        (2048, (4096,), 2048),
+        (1024, (4096, 2), 1024),
+        (16, (4096, 3), 16),  # a searched period that does not tile rows of 3, kept: blocks span rows
+        (1, (2, 3), 1),  # 6 elements: per-element (under 8, algorithm.md §3.4)
+        (40, (24, 40), 40),  # ordinary rows: a period dividing the row is kept
+        (80, (24, 40), 40),  # one spanning two rows becomes the row
+        (32, (24, 40), 20),  # one not tiling the row becomes its largest divisor below it
+        (16, (1024, 34), 34),  # ... unless that divisor is <= 8 (here 2): then the whole row
+        (12, (16, 13), 13),  # a prime row length: the whole row, never one-element blocks
+        (9, (64, 1, 3, 3), 9),
+        (576, (64, 1, 3, 3), 9),
+        (5, (5,), 5),
+    ],
+)
+def test_layout_period_examples(period, shape, expected):
+    assert layout_period(period, shape) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4).map(tuple), data=st.data())
+def test_layout_period_never_gives_blocks_of_eight_or_fewer_elements(shape, data):
+    """For every shape and every period the search can return (a divisor of numel: 1 or the fallback only below 8
+    elements), the kept period divides numel, and blocks hold more than 8 elements unless the whole tensor has at
+    most 8 (or the searched period was that small: the flattened tensor keeps it)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    candidates = [d for d in divisors(numel) + [numel] if d > SHORT_ROW or d == numel or numel < 8]
+    period = data.draw(st.sampled_from(candidates))
+    kept = layout_period(period, shape)
+    assert numel % kept == 0
+    assert kept > SHORT_ROW or kept == period
+    if not is_short_rowed(shape) and numel > 1:
+        assert not spans_rows(shape, kept)  # ordinary shapes keep blocks inside rows

@@ -65,7 +65,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 def free_periods(monkeypatch: pytest.MonkeyPatch) -> None:
     """Periods as gefen's earlier free rule chose them (blocks may straddle rows): what a checkpoint saved then
     brings back, which the compiled step's dense-denominator graph serves."""
-    monkeypatch.setattr("gefen.optim._first_step.row_aligned_period", lambda period, shape, sharded=False: period)
+    monkeypatch.setattr("gefen.optim._first_step.layout_period", lambda period, shape: period)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

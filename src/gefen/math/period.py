@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "row_aligned_period",
-    "per_element_blocks",
-    "PER_ELEMENT_LIMIT",
-    "MIN_ROW_LENGTH",
+    "layout_period",
+    "is_short_rowed",
+    "spans_rows",
+    "SHORT_ROW",
     "PERIOD_SEARCH_VARIANT",
     "MIN_BLOCKS",
     "PERIOD_CAP",
@@ -269,57 +269,74 @@ def _searched_period(
     return search_period(g32.square()), nonzero
 
 
-#: A tensor whose rows are too short to hold a block (fewer than :data:`MIN_ROW_LENGTH` elements, e.g. 1-D) takes
-#: per-element blocks up to this many elements (at most 9 bytes x 65,536 = 576 KiB); a larger one keeps blocks
-#: spanning rows, which a single process can hold and a row-sharded one cannot.
-PER_ELEMENT_LIMIT = 65_536
-#: Rows shorter than this cannot hold a useful block (see :data:`PER_ELEMENT_LIMIT`).
-MIN_ROW_LENGTH = 8
+#: Rows of at most this many elements are too short to share anything: the search itself never selects a period of
+#: 8 or less (algorithm.md §3.2 step 4), and a block of ``P`` elements costs ``8/P`` bytes per element on top of the
+#: codes (block second moment), so blocks of a few elements would bring back AdamW's per-element cost.
+SHORT_ROW = 8
 
 
-def row_aligned_period(period: int, shape: tuple[int, ...], sharded: bool = False) -> int:
-    """The one block rule, with or without sharding: a block never straddles a row.
+def is_short_rowed(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` has rows too short to hold a block (:data:`SHORT_ROW` elements or fewer per
+    dim-0 slice): 1-D tensors, ``(R, 1)`` columns, thin ``(R, C <= 8)`` matrices, ``(C, 1, 1, 1)`` or ``(C, 2, 2)``
+    tensors. 0-D and single-element tensors are not (they have one element, nothing to share)."""
+    numel = math.prod(shape)
+    return len(shape) > 0 and numel > 1 and numel // shape[0] <= SHORT_ROW
 
-    A row is a slice along dim 0 (``L = numel / shape[0]`` elements), the unit FSDP2's ``Shard(0)`` splits ranks
-    by, so with this rule the block geometry (and with it every state tensor) is the same on 1 or N ranks and a
-    checkpoint moves between them. The searched ``period`` is kept when it divides ``L``; a period spanning whole
-    rows becomes ``L`` (one block per row); one that does not tile rows becomes the largest divisor of ``L`` below
-    it. So a 1-D parameter (rows of one element) up to :data:`PER_ELEMENT_LIMIT` elements — biases, norm
-    weights — has one-element blocks: per-element statistics, as AdamW (the §3.5 ``force_1d_period_one`` choice).
-    One exception in a single process: a tensor with rows under :data:`MIN_ROW_LENGTH` elements and more than
-    :data:`PER_ELEMENT_LIMIT` elements keeps its searched period (per-element state would cost 9 bytes/param);
-    sharded, its blocks must stay in rows, so there the two differ. 0-D: unchanged.
+
+def layout_period(period: int, shape: tuple[int, ...]) -> int:
+    """The one layout rule: the period a parameter of ``shape`` keeps, given the period of its flattened first
+    gradient (the §3.2 search with the §3.4 fallback, :func:`first_period`). Every shape gets blocks of more than
+    :data:`SHORT_ROW` elements (or the whole tensor, when it has fewer), so its state is ``1 + 8/P`` bytes/element
+    (block second moment; ``1 + 4/P`` momentum only) plus the counters: about one byte, whatever the shape.
+
+    * **Rows long enough** (``L = numel / shape[0] > 8``, every ordinary weight): a block never straddles a row
+      (a slice along dim 0, the unit FSDP2's ``Shard(0)`` splits ranks by, so the block geometry is the same on 1
+      or N ranks). The searched period is kept when it divides ``L``; one spanning whole rows becomes ``L`` (one
+      block per row); one that does not tile rows becomes the largest divisor of ``L`` below it, unless that
+      divisor is ``<= 8`` (a prime factor in ``L``: ``(1024, 34)`` with a searched 16 would get blocks of 2), in
+      which case the block is the whole row.
+    * **Rows too short** (:func:`is_short_rowed`: 1-D biases and norm weights, ``(4096, 1)`` per-row scales,
+      ``(R, 2)``, ``(C, 1, 1, 1)``): cutting the period to the row would leave blocks of ``<= 8`` elements (9
+      bytes/element for one-element rows, more than AdamW's 8), so the tensor is treated as flattened: it keeps the
+      period of its flattened gradient, and its blocks span rows. Such a tensor has the block second moment (its
+      Adafactor row/column statistics would cost ``4(R + C)/N >= 4`` bytes/element, see
+      :func:`gefen.state.is_factorable`). Under FSDP2 its blocks are sharded by blocks instead of rows
+      (:mod:`gefen.sharding`), so its state is the same on 1 or N ranks too.
+
+    A checkpoint carries each parameter's period: a state saved under an earlier rule (e.g. the one-element blocks
+    gefen gave 1-D parameters up to 65,536 elements) loads and keeps its own period, never re-predicted.
 
     Args:
-        period: the searched period (:func:`first_period`), dividing ``numel``.
+        period: the flattened gradient's period (:func:`first_period`), dividing ``numel``.
         shape: the parameter's (global) shape.
-        sharded: the parameter is row-sharded (no exception).
 
     Returns:
-        ``P`` dividing ``numel`` (and ``L`` unless the exception applies).
+        ``P`` dividing ``numel``: ``period`` itself for short-rowed, 0-D and single-element shapes, else a
+        divisor of ``L`` above 8 or ``L``.
 
-    Source: algorithm.md §3 (period search), restricted to row-aligned blocks by Gefen's sharding design.
+    Source: algorithm.md §3 and §13.1 (no per-element storage for a tensor of 8 elements or more), with the
+    row-aligned blocks of Gefen's sharding design.
     """
-    if len(shape) == 0 or shape[0] == 0:
-        return period
     numel = math.prod(shape)
+    if len(shape) == 0 or numel <= 1 or is_short_rowed(shape):
+        return period
     row_length = numel // shape[0]
     if row_length % period == 0:
-        return period
-    if not sharded and row_length < MIN_ROW_LENGTH and numel > PER_ELEMENT_LIMIT:
-        return period
-    if period > row_length:
-        return row_length
-    return largest_divisor_at_most(row_length, period)
+        kept = period
+    elif period > row_length:
+        kept = row_length
+    else:
+        kept = largest_divisor_at_most(row_length, period)
+    return kept if kept > SHORT_ROW else row_length
 
 
-def per_element_blocks(shape: tuple[int, ...], sharded: bool = False) -> bool:
-    """Whether :func:`row_aligned_period` gives a parameter of ``shape`` one-element blocks whatever its gradient
-    (rows of one element: 1-D, ``(N, 1)``, 0-D; up to :data:`PER_ELEMENT_LIMIT` elements unless ``sharded``), so
-    its period search can be skipped."""
-    numel = math.prod(shape)
-    rows_of_one = not shape or (shape[0] > 0 and numel // shape[0] == 1)
-    return rows_of_one and (sharded or numel <= PER_ELEMENT_LIMIT)
+def spans_rows(shape: tuple[int, ...], period: int) -> bool:
+    """Whether blocks of ``period`` elements of a parameter of ``shape`` straddle its rows (dim-0 slices): the
+    flattened layout of a short-rowed shape (:func:`layout_period`), or a period saved under gefen's earlier free
+    rule. Such a state is sharded by blocks under FSDP2, a row-aligned one by rows."""
+    if len(shape) == 0 or shape[0] == 0:
+        return False
+    return (math.prod(shape) // shape[0]) % period != 0
 
 
 def first_period(

@@ -7,6 +7,7 @@ Nothing here changes an optimizer: the caller keeps the results, or drops them w
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,9 +18,9 @@ from gefen.kernels import group_backend, native_status
 from gefen.kernels.first_step import accumulate_histogram_, find_period, first_period, fit_codebook
 from gefen.kernels.native import histogram_ as native_histogram_
 from gefen.math.codebook import CODEBOOK_SIZE, HISTOGRAM_BINS
-from gefen.math.period import per_element_blocks, row_aligned_period
+from gefen.math.period import layout_period
 from gefen.optim._base import WorkItem
-from gefen.sharding import all_reduce_, collective_device, gather_rows
+from gefen.sharding import BlockShard, all_reduce_, collective_device, gather_rows, state_shard
 
 __all__ = ["FirstHistogram", "checkable_in_histogram", "search_periods"]
 
@@ -79,8 +80,9 @@ class FirstHistogram:
             starting: the parameters added (their number and sizes go into the warning). Row-sharded ones sum
                 their histograms over the ranks here: a collective, so every rank calls this alike.
         """
-        assert self._counts is not None and not self.bad
-        counts = self._counts
+        assert not self.bad
+        # none added on this rank: a sharded rank holding no block of any parameter starting now
+        counts = self._counts if self._counts is not None else torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
         shard = starting[0].shard
         if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
             counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(counts.device)
@@ -115,8 +117,8 @@ def search_periods(
             raised; every other gradient was checked finite by the preflight.
 
     Returns:
-        ``(periods, bad)``: ``{id(param): period}`` (row-aligned, see
-        :func:`gefen.math.period.row_aligned_period`) for the parameters with a non-zero gradient; ``bad`` the
+        ``(periods, bad)``: ``{id(param): period}`` (after the layout rule,
+        :func:`gefen.math.period.layout_period`) for the parameters with a non-zero gradient; ``bad`` the
         names of the unchecked parameters whose gradient is unusable, in step order (then nothing should be kept).
 
     Raises:
@@ -136,23 +138,20 @@ def search_periods(
     # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
     workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
     for item, group in fresh:
-        shape = tuple(item.param.shape)
-        if item.shard is None and per_element_blocks(shape):  # biases, norm weights: nothing to search
-            if bool(item.grad.any()):  # NaN counts as non-zero: the histogram finds it
-                found(item, 1)
-        elif item.shard is None:
-            backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
-            try:
-                period = first_period(item.grad, backend=backend, workspace=workspace)
-            except ValueError:  # a NaN or an Inf
-                if id(item.param) not in unchecked:
-                    raise
-                bad.append(item.name)
-                continue
-            if period is not None:
-                found(item, row_aligned_period(period, shape))
+        if item.shard is not None:
+            continue
+        backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
+        try:
+            period = first_period(item.grad, backend=backend, workspace=workspace)
+        except ValueError:  # a NaN or an Inf
+            if id(item.param) not in unchecked:
+                raise
+            bad.append(item.name)
+            continue
+        if period is not None:
+            found(item, layout_period(period, tuple(item.param.shape)))
     sharded = [item for item, _ in fresh if item.shard is not None]
-    if sharded:  # the same search on the full gradient on every rank, the same row rule
+    if sharded:  # the same search on the full gradient on every rank, the same layout rule
         shard = sharded[0].shard
         assert shard is not None
         nonzero = torch.tensor([bool(item.grad.any()) for item in sharded], dtype=torch.int64)
@@ -160,10 +159,14 @@ def search_periods(
         for item, flag in zip(sharded, nonzero.tolist()):
             if flag:
                 assert item.shard is not None
-                shape = tuple(item.param.shape)
-                if per_element_blocks(shape, sharded=True):
-                    found(item, 1)
-                    continue
                 full = gather_rows(item.grad.to(torch.float32), item.shard)
-                found(item, row_aligned_period(find_period(full), shape, sharded=True))
+                period = layout_period(find_period(full), tuple(item.param.shape))
+                split = state_shard(item.shard, period)
+                if isinstance(split, BlockShard):  # the histogram sums this rank's blocks, as it holds them
+                    start, stop = split.elements
+                    periods[id(item.param)] = period
+                    if histogram is not None and stop > start:  # (a trailing rank may hold no block)
+                        histogram.add(replace(item, grad=full.reshape(-1)[start:stop]), period)
+                else:
+                    found(item, period)
     return periods, bad

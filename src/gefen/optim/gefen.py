@@ -79,8 +79,9 @@ class Gefen(GefenOptimizer):
     The first ``step()`` that sees gradients does two things once, before any update:
 
     * **period search** per parameter from its first gradient (algorithm.md §3.2 + the §3.4 fallback), then the
-      one block rule of every parameter, sharded or not (:func:`gefen.math.period.row_aligned_period`): a block
-      never straddles a row (dim-0 slice), and a 1-D parameter has one-element blocks. The period is frozen and
+      one layout rule of every parameter, sharded or not (:func:`gefen.math.period.layout_period`): a block
+      never straddles a row (dim-0 slice) of more than 8 elements, and a tensor with shorter rows (1-D, ``(R, 1)``)
+      keeps the period of its flattened gradient, its blocks spanning rows. The period is frozen and
       checkpointed. A parameter that first gets a gradient later is searched then, and starts its own
       bias-correction warm-up (per-parameter ``step`` counters).
     * **codebook**: one 256-code fp32 codebook per optimizer, fitted by exact optimal 1-D k-means on the
@@ -89,9 +90,10 @@ class Gefen(GefenOptimizer):
 
     State per parameter (see :mod:`gefen.state`): uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, fp32 second
     moment ``(B,)`` or ``(R,) + (C,)`` when factored, int64 ``step`` and ``period``: about
-    ``1 + 4/P + 4(R+C)/N`` bytes/param for factored 2-D weights, ``1 + 8/P`` for block tensors and 9 for 1-D
-    ones. Under FSDP2 (``Shard(0)`` DTensors) each rank holds its rows of every state tensor (the factored column
-    moment whole) and the step is the single-process step (:mod:`gefen.sharding`).
+    ``1 + 4/P + 4(R+C)/N`` bytes/param for factored 2-D weights and ``1 + 8/P`` for block tensors, with ``P > 8``
+    for every tensor of more than 8 elements. Under FSDP2 (``Shard(0)`` DTensors) each rank holds its rows of every
+    state tensor (the factored column moment whole; its blocks, for blocks spanning rows) and the step is the
+    single-process step (:mod:`gefen.sharding`).
 
     Args:
         params: iterable of tensors, of ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,18 @@ from gefen.math.newton_schulz import (
     resolve_schedule,
 )
 from gefen.optim.gefen import Gefen
-from gefen.sharding import all_reduce_, as_sharded, gather_rows, gather_rows_to, local_state, scatter_rows_from
+from gefen.sharding import (
+    BlockShard,
+    RowShard,
+    all_reduce_,
+    as_sharded,
+    gather_blocks,
+    gather_rows,
+    gather_rows_to,
+    local,
+    local_state,
+    scatter_rows_from,
+)
 from gefen.state import (
     NORMUON_STEP,
     NORMUON_V,
@@ -62,7 +74,10 @@ class GefenMuon(Gefen):
     Jordan et al. 2024 (Muon); algorithm.md §7 and §13.7.
 
     State per parameter: uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, int64 ``step`` and ``period``, and
-    with ``normuon=True`` an fp32 ``(R,)`` row EMA plus its counter: about ``1 + 4/P (+ 4/C)`` bytes/param.
+    with ``normuon=True`` an fp32 ``(R,)`` row EMA plus its counter: about ``1 + 4/P (+ 4/C)`` bytes/param. Every
+    shape keeps blocks of more than 8 elements (:func:`gefen.math.period.layout_period`; a ``(R, C <= 8)`` matrix
+    takes the period of its flattened gradient), and such a short-rowed matrix is stepped without NorMuon, whose
+    per-row statistic would cost ``4/C`` bytes per element there (:func:`gefen.state.second_moment_kind`).
     The codebook (256 fp32) is the optimizer's own, learned on the first step from every parameter's gradient.
 
     Args:
@@ -81,7 +96,8 @@ class GefenMuon(Gefen):
             (``0.2·sqrt(max(R, C))``, so an AdamW-scale lr fits).
         ns_schedule: ``None``/``"standard"`` (``ns_coefficients`` × ``ns_steps``), ``"tuned3"``, ``"tuned4"`` or a
             list of ``(a, b, c)``; another schedule than the standard one takes the default ``ns_coefficients``.
-        normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4).
+        normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4); not applied to matrices with rows of 8
+            elements or fewer (see above).
         normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
         normuon_eps: NorMuon ε > 0.
         sharded_mode: how a sharded (FSDP2 ``Shard(0)`` DTensor) parameter is orthogonalised; ignored for plain
@@ -225,8 +241,8 @@ class GefenMuon(Gefen):
         parameters whole (``world`` matrices, in the order :meth:`_finish_jobs` forms them). Every part is run and
         orthogonalised before the next, so the step's transient memory stays bounded whatever the model's size. The
         collectives follow the job order on every rank, whatever the parts."""
-        plain = [job for job in jobs if not (job.shard is not None and job.group.get("sharded_mode") == "distributed")]
-        bucketed = [job for job in jobs if job.shard is not None and job.group.get("sharded_mode") == "distributed"]
+        plain = [job for job in jobs if not _bucketed(job)]
+        bucketed = [job for job in jobs if _bucketed(job)]
         parts: list[list[StepJob]] = []
         size = 0
         for job in plain:
@@ -245,9 +261,9 @@ class GefenMuon(Gefen):
         Newton–Schulz and the parameter write. Sharded ``"distributed"`` parameters go in buckets of ``world``
         matrices: each bucket's gathers to their owners, the owners' Newton–Schulz (in parallel across ranks), and
         the scatters back (hardening.md §5.2)."""
-        bucketed = [job for job in jobs if job.shard is not None and job.group.get("sharded_mode") == "distributed"]
+        bucketed = [job for job in jobs if _bucketed(job)]
         for job in jobs:
-            if not (job.shard is not None and job.group.get("sharded_mode") == "distributed"):
+            if not _bucketed(job):
                 self._orthogonal_update(job)
         if not bucketed:
             return
@@ -278,6 +294,16 @@ class GefenMuon(Gefen):
         """Newton–Schulz of one job's update (of the full matrix when row-sharded ``"exact"``) and its write."""
         update = self._direction(job)
         shard = job.shard
+        if isinstance(shard, BlockShard):  # a matrix sharded by blocks: the full update from every rank's blocks
+            rows = shard.rows
+            full = gather_blocks(update, shard).view(rows.shape)
+            if job.group.get("sharded_mode", "exact") == "approx":
+                orthogonal = self._orthogonalize(full[rows.start : rows.stop], job.group)
+            else:
+                orthogonal = self._orthogonalize(full, job.group)[rows.start : rows.stop]
+            job.out = None
+            self._finish(replace(job, target=local(job.param), shard=rows), orthogonal)
+            return
         if shard is None or job.group.get("sharded_mode", "exact") == "approx":
             orthogonal = self._orthogonalize(update, job.group)
         else:  # exact (and distributed outside of a bucket): Newton–Schulz of the full matrix, keep our rows
@@ -298,11 +324,10 @@ class GefenMuon(Gefen):
 
     def _direction(self, job: StepJob) -> Tensor:
         """The matrix to orthogonalise from the job's ``m̂``: ``U = β·m̂ + (1−β)·G`` (Nesterov) or ``m̂``, fp32 of
-        the target's shape."""
+        the target's shape (for a matrix sharded by blocks, the flat elements of this rank's blocks)."""
         assert job.out is not None, "a backend fills every momentum job's out"
         beta = job.scalars.beta1
-        rows, cols = job.target.shape
-        m_hat = job.out.view(rows, cols)
+        m_hat = job.out.view(job.target.shape)
         if not job.group["nesterov"]:
             return m_hat
         return m_hat.mul_(beta).add_(job.grad.to(torch.float32), alpha=1.0 - beta)
@@ -321,7 +346,7 @@ class GefenMuon(Gefen):
         state = self.state[item.param]
         rows, cols = item.param.shape  # the global shape sets the lr ratio
         target = item.target
-        if group["normuon"]:
+        if self._second_moment_kind(item.param, group) == "momentum_normuon":  # normuon, rows long enough
             if NORMUON_V not in state:  # turned on after the state was created
                 fresh = normuon_state(target.shape[0], target.device, target.device if self.capturable else None)
                 if item.shard is not None:
@@ -358,6 +383,12 @@ class GefenMuon(Gefen):
             return
         if target.numel():
             apply_update_(target, orthogonal, as_float(group["lr"]), as_float(group["weight_decay"]), ratio)
+
+
+def _bucketed(job: StepJob) -> bool:
+    """Whether ``job`` goes in a ``"distributed"`` owner bucket: a row-sharded matrix of such a group (one sharded by
+    blocks gathers its full update on every rank, as ``"exact"``)."""
+    return isinstance(job.shard, RowShard) and job.group.get("sharded_mode") == "distributed"
 
 
 def _check_muon_group(group: Mapping[str, Any], where: str) -> None:
