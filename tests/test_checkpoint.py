@@ -556,3 +556,68 @@ def test_schema_v1_fixture_migrates_and_continues_like_the_v1_code(kind, determi
     for meta in metas:
         assert meta["schema_version"] == gefen.checkpoint.SCHEMA_VERSION
         assert meta["deterministic"] is deterministic
+
+
+# --------------------------------------------------------------------- checkpoints saved under earlier layouts
+
+SHORT_ROWED = [(48,), (24, 1), (16, 3)]
+
+
+def _short_rowed_run(kind: str, steps: int, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+    for s in range(steps):
+        gen = torch.Generator().manual_seed(50 + s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def test_short_rowed_checkpoint_with_one_element_blocks_keeps_its_period(monkeypatch):
+    """Before the layout rule flattened short-rowed shapes, 1-D tensors and columns had one-element blocks (period
+    1; (16, 3) rows of 3). Such a checkpoint carries its period: it loads under today's rule, keeps its blocks and
+    continues exactly like the optimizer that saved it (a restored period is never re-predicted)."""
+
+    def old_rule(period: int, shape: tuple[int, ...]) -> int:  # the row rule: blocks cut to the row
+        rows = shape[0]
+        numel = 1
+        for d in shape:
+            numel *= d
+        return numel // rows if (numel // rows) % period else period
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHORT_ROWED]
+    monkeypatch.setattr("gefen.optim._first_step.layout_period", old_rule)
+    opt = gefen.Gefen(params, lr=1e-2, weight_decay=0.1)
+    _short_rowed_run("gefen", 2, params, opt)
+    monkeypatch.undo()
+    assert [int(opt.state[p]["period"]) for p in params] == [1, 1, 3]
+    saved = _roundtrip(opt.state_dict())
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = gefen.Gefen(twins, lr=1e-2, weight_decay=0.1)
+    fresh.load_state_dict(saved)
+    assert [int(fresh.state[p]["period"]) for p in twins] == [1, 1, 3]
+    assert [row["layout"] for row in fresh.state_report()] == ["blocks (flattened: degenerate shape)"] * 3
+    _short_rowed_run("gefen", 3, params, opt)
+    _short_rowed_run("gefen", 3, twins, fresh)
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)
+    assert state_digest(opt.state_dict()) == state_digest(fresh.state_dict())
+
+
+def test_muon_checkpoint_with_normuon_rows_of_a_column_loads_without_them(monkeypatch):
+    """NorMuon's row statistic is left out of matrices whose rows hold at most 8 elements (4 bytes per element for
+    a column). A GefenMuon checkpoint saved with it for such a matrix loads: its momentum as saved, the NorMuon
+    entries dropped (they no longer apply); its other matrices keep theirs."""
+    shapes = [(24, 1), (16, 32)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    monkeypatch.setattr("gefen.state.is_short_rowed", lambda shape: False)  # the kind rule before the gate
+    opt = gefen.GefenMuon(params, lr=1e-2, normuon=True)
+    _short_rowed_run("muon", 2, params, opt)
+    assert all("normuon_v" in opt.state[p] for p in params)
+    saved = _roundtrip(opt.state_dict())
+    monkeypatch.undo()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = gefen.GefenMuon(twins, lr=1e-2, normuon=True)
+    fresh.load_state_dict(saved)
+    assert "normuon_v" not in fresh.state[twins[0]] and "normuon_v" in fresh.state[twins[1]]
+    for key in ("first_moment_codes", "first_moment_scale", "step", "period"):
+        assert torch.equal(fresh.state[twins[0]][key], opt.state[params[0]][key])
+    _short_rowed_run("muon", 1, twins, fresh)  # and it steps
