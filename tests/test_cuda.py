@@ -424,3 +424,31 @@ def test_cuda_graph_capture_of_a_triton_skip_step_replays_and_skips_on_the_devic
     with pytest.warns(UserWarning, match=r"1 step\(s\) were skipped on the device"):
         assert opt.skipped_steps == 1
     assert opt.global_step == 5 == twin_opt.global_step
+
+
+def test_cuda_first_step_synchronises_a_fixed_number_of_times():
+    """The first step on the GPU (period search, histogram, codebook, the Triton plan): its host synchronisations,
+    counted by ``set_sync_debug_mode("warn")``, do not grow with the number of parameters."""
+    import warnings
+
+    def syncs(layers):
+        gen = torch.Generator().manual_seed(layers)
+        params = []
+        for _ in range(layers):
+            params += [torch.nn.Parameter(torch.randn(96, 128, generator=gen).cuda()),
+                       torch.nn.Parameter(torch.randn(96, generator=gen).cuda())]  # fmt: skip
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = gefen.Gefen(params, lr=1e-2)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    few, many = syncs(2), syncs(16)
+    assert many == few and few <= 16, (few, many)

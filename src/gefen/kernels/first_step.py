@@ -11,6 +11,8 @@ Source: algorithm.md §3.2 (period scores), §4.2 (histogram), §4.3 and §13.2 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -19,7 +21,14 @@ from gefen.kernels import native
 from gefen.math import codebook as _codebook
 from gefen.math import period as _period
 
-__all__ = ["find_period", "first_period", "accumulate_histogram_", "fit_codebook", "optimal_partition_centers"]
+__all__ = [
+    "find_period",
+    "first_period",
+    "first_periods",
+    "accumulate_histogram_",
+    "fit_codebook",
+    "optimal_partition_centers",
+]
 
 
 def _use_native(backend: str, reference: str, on_cpu: bool, what: str) -> bool:
@@ -56,9 +65,12 @@ def first_period(
     return _period.first_period(grad, shape, native.period_scores if use else None, workspace)
 
 
-def accumulate_histogram_(counts: Tensor, g: Tensor, period: int, backend: str = "auto") -> Tensor:
+def accumulate_histogram_(
+    counts: Tensor, g: Tensor, period: int, backend: str = "auto", checked: bool = False
+) -> Tensor:
     """:func:`gefen.math.codebook.accumulate_histogram_` natively for a contiguous fp32 CPU gradient (identical
-    counts, :func:`gefen.kernels.native.histogram_`), else the reference.
+    counts, :func:`gefen.kernels.native.histogram_`), else the reference (``checked``: as the reference's, no host
+    read then).
 
     Raises:
         ValueError: as the reference (a non-finite value leaves ``counts`` untouched), or an unknown ``backend``.
@@ -78,7 +90,46 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int, backend: str =
         if not native.histogram_(counts, flat, period):
             raise ValueError("accumulate_histogram_: g has NaN or Inf values; skip or unscale this step.")
         return counts
-    return _codebook.accumulate_histogram_(counts, g, period)
+    return _codebook.accumulate_histogram_(counts, g, period, checked)
+
+
+def first_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> tuple[list[int | None], list[int]]:
+    """:func:`gefen.math.period.first_period` of many first gradients by the reference's torch operations, with one
+    host read per device for all of them (:func:`gefen.math.period.period_evidence`), not several per tensor: the
+    first step of a model on a GPU.
+
+    Args:
+        grads: the first gradients (any devices, shapes and floating dtypes; non-empty each).
+        shapes: the parameters' (global) shapes, for the fallback.
+
+    Returns:
+        ``(periods, nonfinite)``: per gradient its period, or ``None`` when it is zero everywhere (also for one
+        listed in ``nonfinite``); ``nonfinite`` the positions of the gradients holding NaN or Inf.
+
+    Raises:
+        ValueError: a selected score is not finite (a finite gradient whose squares overflow), as the reference.
+    """
+    evidence = [_period.period_evidence(g) for g in grads]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, e in enumerate(evidence):
+        by_device.setdefault(e.device, []).append(i)
+    values: list[list[float]] = [[] for _ in grads]
+    for indices in by_device.values():
+        flat = torch.cat([evidence[i] for i in indices]).cpu().tolist()  # the one read of this device
+        offset = 0
+        for i in indices:
+            size = evidence[i].numel()
+            values[i] = flat[offset : offset + size]
+            offset += size
+    periods: list[int | None] = []
+    nonfinite: list[int] = []
+    for i, (g, shape) in enumerate(zip(grads, shapes)):
+        if not values[i][0]:
+            nonfinite.append(i)
+            periods.append(None)
+        else:
+            periods.append(_period.period_from_evidence(values[i], g.numel(), tuple(shape)))
+    return periods, nonfinite
 
 
 def optimal_partition_centers(

@@ -29,7 +29,7 @@ _GUIDE_ROUNDS = 8  # repair rounds before the guided solver gives a layer to div
 
 
 @torch.no_grad()
-def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
+def accumulate_histogram_(counts: Tensor, g: Tensor, period: int, checked: bool = False) -> Tensor:
     """Add the block-normalised values of one gradient to the codebook histogram, in place.
 
     ``g`` is flattened row-major and viewed as ``(B, period)``. Per block ``a = max |g|`` and
@@ -41,13 +41,17 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
         counts: (4096,) int64 on any device; updated in place.
         g: any floating dtype and shape with ``g.numel() % period == 0``; must be finite.
         period: elements per block, >= 1.
+        checked: the caller has checked ``g`` finite: no check here, and no host read at all (the counts are
+            accumulated with a scatter-add off the CPU, whose ``bincount`` would read its maximum). Otherwise one
+            host read per chunk of about 4M elements, for its check.
 
     Returns:
         ``counts``, after adding the bin counts of every element of ``g``.
 
     Raises:
         ValueError: bad ``counts`` dtype/shape, non-float ``g``, ``period`` not a positive divisor of
-            ``g.numel()``, or a non-finite value in ``g``. ``counts`` is untouched when this is raised.
+            ``g.numel()``, or (unless ``checked``) a non-finite value in ``g``. ``counts`` is untouched when this is
+            raised.
 
     Source: algorithm.md §4.2 (histogram), §10.10 (chunking along block boundaries).
     """
@@ -55,14 +59,21 @@ def accumulate_histogram_(counts: Tensor, g: Tensor, period: int) -> Tensor:
     flat = g.reshape(-1)
     rows = max(1, _CHUNK_ELEMENTS // period)
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=g.device)
+    on_cpu = g.device.type == "cpu"
     for start in range(0, g.numel(), rows * period):
         x = flat[start : start + rows * period].view(-1, period).float()
-        if not bool(torch.isfinite(x).all()):
+        if not checked and not bool(torch.isfinite(x).all()):  # before a NaN becomes a bin index
             raise ValueError("accumulate_histogram_: g has NaN or Inf values; skip or unscale this step.")
         a = x.abs().amax(dim=1, keepdim=True)
         u = x / torch.where(a > 0, a, torch.ones_like(a))  # an all-zero block divides by 1: u = 0
-        bins = u.add_(1.0).mul_(HISTOGRAM_BINS // 2).floor_().clamp_(0, HISTOGRAM_BINS - 1).long()
-        total += torch.bincount(bins.reshape(-1), minlength=HISTOGRAM_BINS)
+        scaled = u.add_(1.0).mul_(HISTOGRAM_BINS // 2).floor_()
+        if checked:  # never an index out of range, even if the caller's check was wrong (a device assert)
+            scaled.nan_to_num_(0.0)
+        bins = scaled.clamp_(0, HISTOGRAM_BINS - 1).long().reshape(-1)
+        if on_cpu:
+            total += torch.bincount(bins, minlength=HISTOGRAM_BINS)
+        else:  # integer sums: the same counts in any order, and deterministic (1-D scatter_add_)
+            total.scatter_add_(0, bins, torch.ones((), dtype=torch.int64, device=g.device).expand(bins.numel()))
     counts += total.to(counts.device)
     return counts
 

@@ -29,6 +29,9 @@ __all__ = [
     "divisors",
     "largest_divisor_at_most",
     "period_scores",
+    "period_scores_tensor",
+    "period_evidence",
+    "period_from_evidence",
     "search_period",
     "fallback_period",
     "find_period",
@@ -116,17 +119,23 @@ def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
         candidates: periods ``p`` dividing ``N`` with ``N / p >= 2``.
 
     Returns:
-        One float per candidate, in the same order.
+        One float per candidate, in the same order (one host read: :func:`period_scores_tensor` reads none).
 
     Source: algorithm.md §3.2 step 3.
     """
+    return period_scores_tensor(x, candidates).tolist()
+
+
+def period_scores_tensor(x: Tensor, candidates: list[int]) -> Tensor:
+    """:func:`period_scores` as a ``(len(candidates),)`` float64 tensor on ``x``'s device, computed without reading
+    anything on the host (the constant case is selected on the device), so that many tensors' scores can be read
+    at once."""
     n = x.numel()
     if not candidates:
-        return []
+        return torch.zeros(0, dtype=torch.float64, device=x.device)
     flat = x.reshape(-1)
-    if bool((flat == flat[0]).all()):  # constant: every score is exactly 0 (rounding noise must not pick a period)
-        return [0.0] * len(candidates)
-    logs = torch.log(x.reshape(-1).to(torch.float64) + _LOG_DELTA)
+    constant = (flat == flat[0]).all()  # every score is then exactly 0 (rounding noise must not pick a period)
+    logs = torch.log(flat.to(torch.float64) + _LOG_DELTA)
     logs.sub_(logs.mean())  # centring keeps the prefix sum small, so block means stay accurate
     prefix = torch.zeros(n + 1, dtype=torch.float64, device=x.device)
     torch.cumsum(logs, dim=0, out=prefix[1:])
@@ -141,7 +150,8 @@ def period_scores(x: Tensor, candidates: list[int]) -> list[float]:
         means = torch.sub(edges[1:], edges[:-1], out=means_buf[:b]).div_(p)
         diffs = torch.sub(means[1:], means[:-1], out=diffs_buf[: b - 1]).abs_()
         scores.append(diffs.mean())
-    return torch.stack(scores).tolist()
+    stacked = torch.stack(scores)
+    return torch.where(constant, torch.zeros_like(stacked), stacked)
 
 
 def _candidates(n: int, max_period: int | None = None) -> list[int]:
@@ -269,6 +279,50 @@ def _searched_period(
     return search_period(g32.square()), nonzero
 
 
+def period_evidence(grad: Tensor) -> Tensor:
+    """Everything the period search of a first gradient reads, as one float64 tensor on ``grad``'s device, computed
+    without a host read: ``[finite, non-zero, S(p) for each p the selection reads]`` (1.0/0.0 flags, then the scores
+    of :func:`period_scores_tensor` for :func:`_search_plan`'s periods). Many gradients' evidence can be read in one
+    transfer and decided on the host by :func:`period_from_evidence`.
+
+    Args:
+        grad: a first gradient, any shape, real floating dtype, ``N >= 1`` elements.
+
+    Returns:
+        ``(2 + k,)`` float64, ``k`` the number of scores the selection of a tensor of ``N`` elements reads.
+    """
+    g32 = grad.detach().reshape(-1).to(torch.float32)
+    flags = torch.stack([torch.isfinite(g32).all(), g32.ne(0).any()]).to(torch.float64)
+    periods = _search_plan(g32.numel())[2] if g32.numel() >= 2 else ()
+    if not periods:
+        return flags
+    return torch.cat([flags, period_scores_tensor(g32.square(), list(periods))])
+
+
+def period_from_evidence(evidence: list[float], numel: int, shape: tuple[int, ...]) -> int | None:
+    """:func:`first_period`'s answer from :func:`period_evidence` (read on the host).
+
+    Args:
+        evidence: the values of :func:`period_evidence` of a gradient of ``numel`` elements.
+        numel: ``N``; shape: the parameter's (global) shape, for the fallback.
+
+    Returns:
+        ``None`` when the gradient is zero everywhere, else the period (§3.2 search, §3.4 fallback).
+
+    Raises:
+        ValueError: the gradient holds NaN or Inf values, or a selected score is not finite.
+    """
+    if not evidence[0]:
+        raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
+    if not evidence[1]:
+        return None
+    if numel == 1:
+        return 1
+    cands, needed, _ = _search_plan(numel)
+    period = _select(cands, dict(zip(needed, evidence[2:]))) if needed else 1
+    return period if period != 1 else fallback_period(numel, shape)
+
+
 #: Rows of at most this many elements are too short to share anything: the search itself never selects a period of
 #: 8 or less (algorithm.md §3.2 step 4), and a block of ``P`` elements costs ``8/P`` bytes per element on top of the
 #: codes (block second moment), so blocks of a few elements would bring back AdamW's per-element cost.
@@ -355,15 +409,13 @@ def first_period(
     n = grad.numel()
     if n == 0:
         raise ValueError("find_period needs a non-empty gradient (zero-numel parameters are skipped)")
-    if n == 1:
-        value = float(grad.detach().reshape(-1)[0])
-        if not math.isfinite(value):
-            raise ValueError("find_period needs a finite gradient; got NaN or Inf values")
-        return 1 if value != 0.0 else None
+    shape = tuple(grad.shape if shape is None else shape)
+    if n == 1 or scores is None:  # the reference: one host read (period_evidence)
+        return period_from_evidence(period_evidence(grad).tolist(), n, shape)
     period, nonzero = _searched_period(grad, scores, want_nonzero=True, workspace=workspace)
     if not nonzero:
         return None
-    return period if period != 1 else fallback_period(n, tuple(grad.shape if shape is None else shape))
+    return period if period != 1 else fallback_period(n, shape)
 
 
 def find_period(grad: Tensor, shape: tuple[int, ...] | None = None, scores: ScoreFunction | None = None) -> int:

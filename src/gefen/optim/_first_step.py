@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gefen.amp import usable_bound
 from gefen.kernels import group_backend, native_status
-from gefen.kernels.first_step import accumulate_histogram_, find_period, first_period, fit_codebook
+from gefen.kernels.first_step import accumulate_histogram_, find_period, first_period, first_periods, fit_codebook
 from gefen.kernels.native import histogram_ as native_histogram_
 from gefen.math.codebook import CODEBOOK_SIZE, HISTOGRAM_BINS
 from gefen.math.period import layout_period
@@ -70,8 +70,8 @@ class FirstHistogram:
             grad = item.grad  # read in memory order by the library: no reshape (checkable_in_histogram)
             if not native_histogram_(self._counts, grad, period, usable_bound(grad.numel())):
                 self.bad.append(item.name)
-        else:
-            accumulate_histogram_(self._counts, item.grad.to(self._counts.device), period)
+        else:  # the preflight checked it finite: no host read here (a first step on a GPU)
+            accumulate_histogram_(self._counts, item.grad.to(self._counts.device), period, checked=True)
 
     def codebook(self, starting: list[WorkItem]) -> tuple[Tensor, str | None]:
         """The codebook ((256,) fp32) of every gradient added, and the warning to give when it is published.
@@ -86,6 +86,7 @@ class FirstHistogram:
         shard = starting[0].shard
         if shard is not None:  # blocks lie inside rows, so the summed histogram is the full tensors' histogram
             counts = all_reduce_(counts.to(collective_device(shard)), shard.group, "sum").to(counts.device)
+        counts = counts.cpu()  # the one read of the histogram, for the warning and the fit
         active = int((counts > 0).sum())
         warning = None
         if active < CODEBOOK_SIZE - 1:
@@ -106,9 +107,10 @@ def search_periods(
 
     A parameter whose gradient is exactly zero everywhere carries no information for the period search or
     the codebook: it gets no state yet (its first moment and second moment would both stay 0) and starts at
-    its first non-zero gradient. The search runs natively (its scores from the C library) where the group's
-    backend is ``"auto"`` or ``"native"`` and the library loaded, and on torch's ops (the reference) for
-    ``"eager"`` and ``"compiled"``.
+    its first non-zero gradient. The search runs natively (its scores from the C library) for CPU gradients where
+    the group's backend is ``"auto"`` or ``"native"`` and the library loaded; every other gradient (a GPU's,
+    ``"eager"``, ``"compiled"``) takes the reference's torch operations, all of them at once with one host read per
+    device (:func:`gefen.kernels.first_step.first_periods`); their histogram adds read nothing either.
 
     Args:
         fresh: ``(item, group)`` of the parameters without state, in step order.
@@ -134,15 +136,21 @@ def search_periods(
             if histogram.bad:
                 bad.append(histogram.bad.pop())
 
-    sizes = [item.grad.numel() for item, _ in fresh if item.shard is None and item.grad.device.type == "cpu"]
+    native = native_status().available
+    searched_natively = [  # CPU gradients under "auto"/"native": the library's scores, one tensor at a time
+        item
+        for item, group in fresh
+        if item.shard is None
+        and native
+        and item.grad.device.type == "cpu"
+        and group_backend(group) not in ("eager", "compiled")
+    ]
     # one scratch buffer for every native search of this step (a fresh one per tensor costs page faults)
-    workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes and native_status().available else None
-    for item, group in fresh:
-        if item.shard is not None:
-            continue
-        backend = "torch" if group_backend(group) in ("eager", "compiled") else "auto"
+    sizes = [item.grad.numel() for item in searched_natively]
+    workspace = torch.empty(max(sizes) + 1, dtype=torch.float64) if sizes else None
+    for item in searched_natively:
         try:
-            period = first_period(item.grad, backend=backend, workspace=workspace)
+            period = first_period(item.grad, backend="native", workspace=workspace)
         except ValueError:  # a NaN or an Inf
             if id(item.param) not in unchecked:
                 raise
@@ -150,6 +158,17 @@ def search_periods(
             continue
         if period is not None:
             found(item, layout_period(period, tuple(item.param.shape)))
+    native_ids = {id(item) for item in searched_natively}
+    batch = [item for item, _ in fresh if item.shard is None and id(item) not in native_ids]
+    if batch:  # the reference's torch operations for all the others at once: one host read per device (GPUs)
+        searched, nonfinite = first_periods([item.grad for item in batch], [tuple(item.param.shape) for item in batch])
+        for position, (item, period) in enumerate(zip(batch, searched)):
+            if position in nonfinite:
+                if id(item.param) not in unchecked:
+                    raise ValueError(f"find_period needs a finite gradient; {item.name} has NaN or Inf values")
+                bad.append(item.name)
+            elif period is not None:
+                found(item, layout_period(period, tuple(item.param.shape)))
     sharded = [item for item, _ in fresh if item.shard is not None]
     if sharded:  # the same search on the full gradient on every rank, the same layout rule
         shard = sharded[0].shard
@@ -169,4 +188,5 @@ def search_periods(
                         histogram.add(replace(item, grad=full.reshape(-1)[start:stop]), period)
                 else:
                     found(item, period)
-    return periods, bad
+    position = {item.name: k for k, (item, _) in enumerate(fresh)}
+    return periods, sorted(bad, key=lambda name: position.get(name, len(position)))
