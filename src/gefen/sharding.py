@@ -27,8 +27,8 @@ spanning rows (:func:`gefen.math.period.spans_rows`; also a period saved under g
 (``Shard(0)`` of the single-process shapes: ``ceil(B / world)`` blocks per rank, :class:`BlockShard`; NorMuon's
 ``(R,)`` stays sharded by rows). Its step gathers the full gradient and parameter (the blocks a rank holds cover other
 ranks' rows), runs the ordinary kernels on the elements of this rank's blocks, and gathers the updated elements back so
-every rank writes its own rows: three all-gathers of such (small) tensors per step, each block computed exactly as in
-one process. So every shape keeps about one byte of state per element on each rank.
+every rank writes its own rows: two all-gathers per step for all such (small) tensors together, each block computed
+exactly as in one process. So every shape keeps about one byte of state per element on each rank.
 
 With either layout the codebook is learned from the histogram summed over all ranks, so the state does not depend on
 the world size:
@@ -62,9 +62,10 @@ __all__ = [
     "RowShard",
     "BlockShard",
     "state_shard",
-    "block_job_tensors",
     "gather_blocks",
-    "write_rows_",
+    "gather_rows_many",
+    "gather_block_jobs_",
+    "write_block_jobs_",
     "is_dtensor",
     "row_shard",
     "local",
@@ -327,33 +328,74 @@ def gather_blocks(local_blocks: Tensor, shard: BlockShard) -> Tensor:
     return _gathered(local_blocks.reshape(-1, shard.period), shard.blocks).reshape(-1)
 
 
-def block_job_tensors(param: Tensor, grad_rows: Tensor, shard: BlockShard) -> tuple[Tensor, Tensor]:
-    """The tensors a backend steps for a parameter sharded by blocks: the elements of this rank's blocks of the
-    parameter (a fresh contiguous copy, the update's target) and of its gradient (two all-gathers of rows).
+def gather_rows_many(pieces: Sequence[tuple[Tensor, RowShard]]) -> list[Tensor]:
+    """:func:`gather_rows` of several row-sharded tensors of one mesh in one all-gather per wire dtype (16-bit floats
+    travel as float32, exactly), instead of one per tensor (collective; every rank passes the same list).
 
     Args:
-        param: the parameter (a ``Shard(0)`` DTensor).
-        grad_rows: this rank's rows of its gradient (a plain tensor).
-        shard: its :class:`BlockShard`.
+        pieces: ``(local_rows, shard)`` pairs, ``local_rows`` of shape ``(stop − start,) + trailing`` on the
+            collective's device; every ``shard`` on the same mesh.
 
     Returns:
-        ``(target, grad)``, each 1-D with ``(stop − start)·P`` elements, in the parameter's and the gradient's
-        dtypes; send ``target`` back with :func:`write_rows_` once it is updated.
+        The full tensors ``(R,) + trailing``, in the pieces' order and dtypes.
     """
-    start, stop = shard.elements
-    grad = _gathered(grad_rows, shard.rows).reshape(-1)[start:stop]
-    target = _gathered(local(param).detach(), shard.rows).reshape(-1)[start:stop].clone()
-    return target, grad
+    import torch.distributed as dist
+
+    out: list[Tensor | None] = [None] * len(pieces)
+    wires: dict[torch.dtype, list[int]] = {}
+    for i, (rows, _) in enumerate(pieces):
+        wire = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+        wires.setdefault(wire, []).append(i)
+    for wire, indices in wires.items():  # insertion order: the same on every rank
+        shard = pieces[indices[0]][1]
+        padded = [_padded(pieces[i][0], pieces[i][1]) for i in indices]
+        flat = torch.cat([part.reshape(-1).to(wire) for part in padded])
+        parts = [torch.empty_like(flat) for _ in range(shard.world)]
+        dist.all_gather(parts, flat, group=shard.group)
+        offset = 0
+        for i, part in zip(indices, padded):
+            rows, piece_shard = pieces[i]
+            size = part.numel()
+            chunks = [gathered[offset : offset + size].view(part.shape) for gathered in parts]
+            out[i] = _unpadded(chunks, piece_shard).to(rows.dtype)
+            offset += size
+    return [tensor for tensor in out if tensor is not None]
 
 
-def write_rows_(param: Tensor, target: Tensor, shard: BlockShard) -> None:
-    """Gather every rank's updated block elements (``target`` of :func:`block_job_tensors`) and write this rank's
-    rows of the parameter from them (collective; every rank calls it in the same order)."""
-    full = gather_blocks(target, shard)
-    rows = shard.rows
-    length = rows.row_length
-    here = local(param)
-    here.detach().copy_(full[rows.start * length : rows.stop * length].view(here.shape))
+def gather_block_jobs_(jobs: Sequence[Any]) -> None:
+    """Give every job of a parameter sharded by blocks (``job.shard`` a :class:`BlockShard`) the tensors its backend
+    steps: the elements of this rank's blocks of the parameter (``job.target``, a fresh tensor the update writes) and
+    of its gradient (``job.grad``), both 1-D, from one all-gather of every such parameter's and gradient's rows
+    (:func:`gather_rows_many`). Send the targets back with :func:`write_block_jobs_` once they are updated.
+
+    Args:
+        jobs: :class:`gefen.kernels.backends.StepJob` s, in the same order on every rank (collective); the others
+            are left as they are.
+    """
+    blocked = [job for job in jobs if isinstance(job.shard, BlockShard)]
+    if not blocked:
+        return
+    pieces = [(job.grad, job.shard.rows) for job in blocked]
+    pieces += [(local(job.param).detach(), job.shard.rows) for job in blocked]
+    full = gather_rows_many(pieces)
+    for k, job in enumerate(blocked):
+        start, stop = job.shard.elements
+        job.grad = full[k].reshape(-1)[start:stop]
+        job.target = full[len(blocked) + k].reshape(-1)[start:stop]
+
+
+def write_block_jobs_(jobs: Sequence[Any]) -> None:
+    """Gather every rank's updated block elements of the jobs sharded by blocks (their ``target`` of
+    :func:`gather_block_jobs_`) in one all-gather and write this rank's rows of each parameter from them
+    (collective; the same jobs in the same order on every rank)."""
+    blocked = [job for job in jobs if isinstance(job.shard, BlockShard)]
+    if not blocked:
+        return
+    full = gather_rows_many([(job.target.view(-1, job.shard.period), job.shard.blocks) for job in blocked])
+    for job, updated in zip(blocked, full):
+        rows = job.shard.rows
+        here = local(job.param).detach()
+        here.copy_(updated.reshape(-1)[rows.start * rows.row_length : rows.stop * rows.row_length].view(here.shape))
 
 
 def collective_device(shard: RowShard) -> torch.device:

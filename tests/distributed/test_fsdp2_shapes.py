@@ -32,18 +32,18 @@ STEPS = 4
 class Params(torch.nn.Module):
     """The shapes above as parameters; the loss is a row-scaled quadratic, so every row has its own scale."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         for name, shape in SHAPES.items():
-            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)))
 
     def forward(self, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(100 + step)
         loss = torch.zeros(())
         for p in self.parameters():
-            target = torch.randn(p.shape, generator=gen)
-            scale = torch.logspace(-1, 1, p.shape[0]).reshape(-1, *([1] * (p.dim() - 1)))
+            target = torch.randn(p.shape, generator=gen).to(p.dtype)
+            scale = torch.logspace(-1, 1, p.shape[0]).reshape(-1, *([1] * (p.dim() - 1))).to(p.dtype)
             loss = loss + ((p - target).square() * scale).sum()
         return loss
 
@@ -82,17 +82,17 @@ def _facts(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, obje
     }
 
 
-def _single(kind: str, steps: int) -> dict[str, object]:
-    model = Params()
+def _single(kind: str, steps: int, dtype: torch.dtype = torch.float32) -> dict[str, object]:
+    model = Params(dtype)
     opt = build(kind, model)
     losses = train(model, opt, range(steps))
     return {"losses": losses, "params": full_params(model), **_facts(opt, model)}
 
 
-def _sharded_job(rank: int, world: int, kind: str, steps: int) -> dict[str, object]:
+def _sharded_job(rank: int, world: int, kind: str, steps: int, dtype: torch.dtype = torch.float32) -> dict[str, object]:
     from torch.distributed.fsdp import fully_shard
 
-    model = Params()
+    model = Params(dtype)
     fully_shard(model)
     opt = build(kind, model)
     losses = train(model, opt, range(steps))
@@ -132,9 +132,19 @@ def test_fsdp2_on_two_ranks_equals_one_process_bit_for_bit_with_degenerate_shape
 
 
 @pytest.mark.slow
+def test_bf16_degenerate_shapes_on_two_ranks_equal_one_process_bit_for_bit():
+    """bf16 parameters and gradients: the gathers of a block-sharded step carry them as float32 (exact both ways)."""
+    reference = _single("gefen", STEPS, torch.bfloat16)
+    for r in run_world(_sharded_job, 2, "gefen", STEPS, torch.bfloat16):
+        assert r["losses"] == reference["losses"] and r["periods"] == reference["periods"]
+        for name, value in reference["params"].items():
+            assert value.dtype == torch.bfloat16 and torch.equal(r["params"][name], value), name
+
+
+@pytest.mark.slow
 def test_fsdp2_on_three_uneven_ranks_holds_about_a_byte_per_element_on_each_rank():
-    """64 rows over 3 ranks (22, 22, 20); the column's 2 blocks of 2048... here its blocks: every rank holds at most
-    ceil(B / 3) of them. Each rank's bytes stay within one block's worth of its share."""
+    """The column's 64 rows go 22, 22, 20 over 3 ranks, its blocks ``ceil(B / 3)`` per rank whichever rows a rank
+    holds: each rank's bytes stay within that share of blocks, and the ranks' bytes add up to one process's."""
     reference = _single("gefen_block", STEPS)
     results = run_world(_sharded_job, 3, "gefen_block", STEPS)
     for r in results:

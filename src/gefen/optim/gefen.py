@@ -30,12 +30,11 @@ from gefen.optim._capture import capturing, check_capture, check_not_inference
 from gefen.optim._dropin import as_torch_betas, check_adamw_flags
 from gefen.optim._first_step import FirstHistogram, checkable_in_histogram, search_periods
 from gefen.sharding import (
-    BlockShard,
-    block_job_tensors,
+    gather_block_jobs_,
     init_sharded_state,
     local_state,
     state_shard,
-    write_rows_,
+    write_block_jobs_,
 )
 from gefen.state import (
     FIRST_MOMENT_CODES,
@@ -384,12 +383,11 @@ class Gefen(GefenOptimizer):
                 if scalars is None:
                     scalars = self._step_scalars(group)
                 local = local_state(state)
-                target, grad, shard = item.target, item.grad, item.shard
-                if shard is not None:  # blocks straddling rows step on this rank's blocks (gefen.sharding)
+                shard = item.shard
+                if shard is not None:  # blocks straddling rows are sharded by blocks (gefen.sharding)
                     shard = state_shard(shard, local[FIRST_MOMENT_CODES].shape[-1])
-                    if isinstance(shard, BlockShard):
-                        target, grad = block_job_tensors(item.param, item.grad, shard)
-                jobs.append(StepJob(item.name, item.param, target, grad, local, group, scalars, shard))
+                jobs.append(StepJob(item.name, item.param, item.target, item.grad, local, group, scalars, shard))
+        gather_block_jobs_(jobs)  # those step on the elements of this rank's blocks
         return jobs
 
     def _step_scalars(self, group: Mapping[str, Any]) -> StepScalars:
@@ -536,10 +534,9 @@ class Gefen(GefenOptimizer):
 
     def _finish_jobs(self, jobs: list[StepJob]) -> None:
         """What follows the backends' update: a parameter sharded by blocks writes its rows from every rank's
-        updated blocks (:func:`gefen.sharding.write_rows_`). GefenMuon: Newton–Schulz and the parameter write."""
-        for job in jobs:
-            if isinstance(job.shard, BlockShard):
-                write_rows_(job.param, job.target, job.shard)
+        updated blocks (:func:`gefen.sharding.write_block_jobs_`). GefenMuon: Newton–Schulz and the parameter
+        write."""
+        write_block_jobs_(jobs)
 
     def _check_fresh_under_capture(self, plan: list[list[WorkItem]]) -> None:
         fresh = [item for work in plan for item in work if not self._has_state(item.param)]
