@@ -559,3 +559,23 @@ def test_training_checkpoint_with_an_optimizer_entry_is_unwrapped(tmp_path, caps
     (folder / "optimizer.pt").mkdir(parents=True)
     assert main(["inspect", str(folder)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_inspect_accepts_muon_normuon_state_of_a_column_as_the_loader_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GefenMuon checkpoint saved with NorMuon rows for a (24, 1) column (before NorMuon left matrices with rows of
+    <= 8 elements out) loads, its NorMuon entries dropped; inspect says so too instead of refusing it."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(24, 1), (16, 32)]]
+    monkeypatch.setattr("gefen.state.is_short_rowed", lambda shape: False)  # the kind rule before NorMuon's gate
+    optimizer = gefen.GefenMuon(params, lr=1e-2, normuon=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        optimizer.step()
+    monkeypatch.undo()
+    code, report = _inspect_json(_save(optimizer.state_dict(), tmp_path / "muon.pt"), capsys)
+    assert code == 0, report
+    gefen.GefenMuon([torch.nn.Parameter(p.detach().clone()) for p in params], normuon=True).load_state_dict(
+        torch.load(tmp_path / "muon.pt", weights_only=True)
+    )
