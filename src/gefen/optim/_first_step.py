@@ -136,7 +136,8 @@ def search_periods(
             if histogram.bad:
                 bad.append(histogram.bad.pop())
 
-    native = native_status().available
+    # not asked when nothing starts (a capturable step traced by torch.compile calls this with nothing fresh)
+    native = any(item.shard is None for item, _ in fresh) and native_status().available
     searched_natively = [  # CPU gradients under "auto"/"native": the library's scores, one tensor at a time
         item
         for item, group in fresh
