@@ -603,12 +603,12 @@ def test_short_rowed_checkpoint_with_one_element_blocks_keeps_its_period(monkeyp
 
 
 def test_muon_checkpoint_with_normuon_rows_of_a_column_loads_without_them(monkeypatch):
-    """NorMuon's row statistic is left out of matrices whose rows hold at most 8 elements (4 bytes per element for
-    a column). A GefenMuon checkpoint saved with it for such a matrix loads: its momentum as saved, the NorMuon
+    """NorMuon's row statistic is left out of matrices whose rows hold fewer than 8 elements (4 bytes per element
+    for a column). A GefenMuon checkpoint saved with it for such a matrix loads: its momentum as saved, the NorMuon
     entries dropped (they no longer apply); its other matrices keep theirs."""
     shapes = [(24, 1), (16, 32)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    monkeypatch.setattr("gefen.state.is_short_rowed", lambda shape: False)  # the kind rule before the gate
+    monkeypatch.setattr("gefen.state.has_row_statistics", lambda shape: True)  # the kind rule before the gate
     opt = gefen.GefenMuon(params, lr=1e-2, normuon=True)
     _short_rowed_run("muon", 2, params, opt)
     assert all("normuon_v" in opt.state[p] for p in params)

@@ -55,7 +55,7 @@ from gefen.checkpoint_interop import check_codebook_provenance, check_flattened_
 from gefen.errors import CheckpointError
 from gefen.hyperparams import check_group
 from gefen.math.codebook import validate_codebook
-from gefen.math.period import PERIOD_SEARCH_VARIANT, is_short_rowed, spans_rows
+from gefen.math.period import PERIOD_SEARCH_VARIANT, spans_rows
 from gefen.sharding import (
     SHARDED_KEYS,
     BlockShard,
@@ -66,7 +66,16 @@ from gefen.sharding import (
     sharded_shape,
     state_shard,
 )
-from gefen.state import FIRST_MOMENT_CODES, NORMUON_STEP, NORMUON_V, PERIOD, STEP, SecondMomentKind, state_spec
+from gefen.state import (
+    FIRST_MOMENT_CODES,
+    NORMUON_STEP,
+    NORMUON_V,
+    PERIOD,
+    STEP,
+    SecondMomentKind,
+    has_row_statistics,
+    state_spec,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -419,8 +428,8 @@ def stage_param_state(
             "(its moments restart)."
         )
     spec = state_spec(tuple(shape), period, kind)
-    if kind == "momentum" and set(saved) - set(spec) == {NORMUON_V, NORMUON_STEP} and is_short_rowed(tuple(shape)):
-        # saved before NorMuon left out matrices with rows of <= 8 elements (gefen.state.second_moment_kind): its
+    if kind == "momentum" and set(saved) - set(spec) == {NORMUON_V, NORMUON_STEP} and not has_row_statistics(shape):
+        # saved before NorMuon left out matrices with rows under 8 elements (gefen.state.has_row_statistics): its
         # row statistics no longer apply; the momentum loads as saved
         saved = {key: value for key, value in saved.items() if key not in (NORMUON_V, NORMUON_STEP)}
     if set(saved) != set(spec):

@@ -49,6 +49,7 @@ __all__ = [
     "TensorSpec",
     "state_spec",
     "is_factorable",
+    "has_row_statistics",
     "layout_name",
     "second_moment_kind",
     "placeholder_state",
@@ -152,6 +153,17 @@ def is_factorable(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and 8 * (shape[0] + shape[1]) <= shape[0] * shape[1]
 
 
+def has_row_statistics(shape: tuple[int, ...]) -> bool:
+    """Whether GefenMuon keeps NorMuon's per-row statistic for a matrix of ``shape`` (when ``normuon=True``).
+
+    True for 2-D shapes ``(R, C)`` whose ``(R,)`` fp32 statistic costs at most half a byte per parameter,
+    ``4·R <= R·C / 2`` (rows of at least 8 elements), the bound :func:`is_factorable` puts on the factored moment; a
+    ``(4096, 1)`` column would otherwise hold 4 bytes/param of it, and NorMuon's per-row normalisation of rows of a
+    few elements is little more than a per-element sign.
+    """
+    return len(shape) == 2 and 8 * shape[0] <= shape[0] * shape[1]
+
+
 def second_moment_kind(optimizer: str, shape: tuple[int, ...], group: Mapping[str, Any]) -> SecondMomentKind:
     """The state kind an optimizer gives a parameter: the one rule the optimizers, checkpoint validation and
     ``gefen inspect`` read.
@@ -163,17 +175,15 @@ def second_moment_kind(optimizer: str, shape: tuple[int, ...], group: Mapping[st
             ``False``).
 
     Returns:
-        ``"momentum_normuon"``/``"momentum"`` for GefenMuon (``"momentum"`` also with ``normuon`` for a matrix whose
-        rows are too short to hold a block, :func:`gefen.math.period.is_short_rowed`: NorMuon's one fp32 per row
-        would cost ``4/C >= 0.5`` bytes per element, 4 for a ``(R, 1)`` column, the per-row cost the thin-matrix
-        rule of :func:`is_factorable` refuses the factored moment too); for Gefen ``"factored"`` when
+        ``"momentum_normuon"``/``"momentum"`` for GefenMuon (``"momentum"`` also with ``normuon`` where
+        :func:`has_row_statistics` is false: rows of fewer than 8 elements); for Gefen ``"factored"`` when
         ``factored_v_2d`` and :func:`is_factorable`, else ``"block"``.
 
     Raises:
         ValueError: an unknown ``optimizer``.
     """
     if optimizer == "GefenMuon":
-        normuon = group.get("normuon", False) is True and not is_short_rowed(tuple(shape))
+        normuon = group.get("normuon", False) is True and has_row_statistics(tuple(shape))
         return "momentum_normuon" if normuon else "momentum"
     if optimizer != "Gefen":
         raise ValueError(f"unknown optimizer kind {optimizer!r}")

@@ -565,9 +565,9 @@ def test_inspect_accepts_muon_normuon_state_of_a_column_as_the_loader_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A GefenMuon checkpoint saved with NorMuon rows for a (24, 1) column (before NorMuon left matrices with rows of
-    <= 8 elements out) loads, its NorMuon entries dropped; inspect says so too instead of refusing it."""
+    fewer than 8 elements out) loads, its NorMuon entries dropped; inspect says so too instead of refusing it."""
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(24, 1), (16, 32)]]
-    monkeypatch.setattr("gefen.state.is_short_rowed", lambda shape: False)  # the kind rule before NorMuon's gate
+    monkeypatch.setattr("gefen.state.has_row_statistics", lambda shape: True)  # the kind rule before NorMuon's gate
     optimizer = gefen.GefenMuon(params, lr=1e-2, normuon=True)
     for _ in range(2):
         for p in params:

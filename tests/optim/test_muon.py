@@ -471,16 +471,16 @@ def test_gefen_muon_writes_each_dtype_in_its_own_dtype(dtype: torch.dtype) -> No
 
 
 def test_gefen_muon_add_param_group_and_normuon_toggle() -> None:
-    p, q = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(12, 6))
+    p, q = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(12, 10))  # rows of >= 8: NorMuon applies
     opt = gefen.GefenMuon([p], lr=0.05)
     opt.add_param_group({"params": [q], "normuon": True, "ns_schedule": "tuned4"})
     with pytest.raises(ConfigError, match="2-D"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(5))]})
-    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 6)
+    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 10)
     opt.step()
     assert "normuon_v" in opt.state[q] and "normuon_v" not in opt.state[p]
     opt.param_groups[0]["normuon"] = True  # switched on mid-run: its state is created then
-    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 6)
+    p.grad, q.grad = torch.randn(16, 8), torch.randn(12, 10)
     opt.step()
     assert int(opt.state[p]["normuon_step"]) == 1 and int(opt.state[q]["normuon_step"]) == 2
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import gefen
 from gefen.kernels.native import native_status
 from gefen.math.period import SHORT_ROW, is_short_rowed
-from gefen.state import NORMUON_STEP, NORMUON_V, PERIOD, STEP, is_factorable
+from gefen.state import NORMUON_STEP, NORMUON_V, PERIOD, STEP, has_row_statistics, is_factorable
 
 #: The backends every shape runs on here (the compiled and Triton backends: the fixed cases below).
 BACKENDS = ["eager"] + (["native"] if native_status().available else [])
@@ -112,8 +112,8 @@ def test_gefen_state_bytes_bound_for_every_shape(shapes, factored, backend, seed
 def test_gefen_muon_state_bytes_bound_for_every_matrix_shape(shapes, normuon, backend, seed):
     for shape, (state, row) in zip(shapes, _stepped("GefenMuon", shapes, seed, normuon=normuon, backend=backend)):
         _check(shape, state, row)
-        # NorMuon's (R,) row statistic only where rows are long enough (4/C bytes per element: 4 for a column)
-        assert row["second_moment"] == "momentum" and (NORMUON_V in state) is (normuon and not is_short_rowed(shape))
+        # NorMuon's (R,) row statistic only where rows hold 8 elements or more (4/C bytes per element: 4 for a column)
+        assert row["second_moment"] == "momentum" and (NORMUON_V in state) is (normuon and has_row_statistics(shape))
 
 
 # ------------------------------------------------------------------------------------------- case 010 and friends

@@ -76,8 +76,9 @@ class GefenMuon(Gefen):
     State per parameter: uint8 codes ``(B, P)``, fp32 magnitudes ``(B,)``, int64 ``step`` and ``period``, and
     with ``normuon=True`` an fp32 ``(R,)`` row EMA plus its counter: about ``1 + 4/P (+ 4/C)`` bytes/param. Every
     shape keeps blocks of more than 8 elements (:func:`gefen.math.period.layout_period`; a ``(R, C <= 8)`` matrix
-    takes the period of its flattened gradient), and such a short-rowed matrix is stepped without NorMuon, whose
-    per-row statistic would cost ``4/C`` bytes per element there (:func:`gefen.state.second_moment_kind`).
+    takes the period of its flattened gradient), and a matrix with rows of fewer than 8 elements is stepped without
+    NorMuon, whose per-row statistic would cost ``4/C`` bytes per element there
+    (:func:`gefen.state.has_row_statistics`).
     The codebook (256 fp32) is the optimizer's own, learned on the first step from every parameter's gradient.
 
     Args:
@@ -96,8 +97,8 @@ class GefenMuon(Gefen):
             (``0.2·sqrt(max(R, C))``, so an AdamW-scale lr fits).
         ns_schedule: ``None``/``"standard"`` (``ns_coefficients`` × ``ns_steps``), ``"tuned3"``, ``"tuned4"`` or a
             list of ``(a, b, c)``; another schedule than the standard one takes the default ``ns_coefficients``.
-        normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4); not applied to matrices with rows of 8
-            elements or fewer (see above).
+        normuon: NorMuon row normalisation of ``O`` (algorithm.md §7.4); not applied to matrices with rows of
+            fewer than 8 elements (see above).
         normuon_beta2: NorMuon EMA decay in ``[0, 1)``.
         normuon_eps: NorMuon ε > 0.
         sharded_mode: how a sharded (FSDP2 ``Shard(0)`` DTensor) parameter is orthogonalised; ignored for plain
