@@ -32,6 +32,7 @@ from gefen.errors import ConfigError, StepError
 from gefen.hyperparams import check_flags, check_group, refuse_torch_only_options
 from gefen.kernels.backends import Backends, fused_by_default, group_backend, resolve_backend_option
 from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
+from gefen.optim._device_decisions import DeviceDecisions
 from gefen.optim._dropin import publish_group
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
@@ -138,7 +139,7 @@ class WorkItem:
         return local(self.param)
 
 
-class GefenOptimizer(torch.optim.Optimizer):
+class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
     """Base class of the Gefen optimizers (not instantiated directly).
 
     Subclasses implement :meth:`_step_group` and :meth:`_second_moment_kind` and may extend
@@ -261,33 +262,6 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._pending_codebook: Tensor | None = None
         self._warned_native = False
         self._pending_checks: list[PendingCheck] = []  # steps decided on the device, not yet settled, oldest first
-
-    def _settle_pending_check(self, wait: bool = True) -> bool:
-        """Settle the steps whose ``nonfinite="skip"`` decision was taken on the device (see
-        :class:`gefen.nonfinite.PendingCheck`), oldest first: advance their counters and the global step, or count
-        and warn about the skip. Called wherever the host looks (``skipped_steps``, ``global_step``, checkpoints),
-        and at the start of each step.
-
-        Args:
-            wait: ``True``: settle every pending step, waiting for the device where needed. ``False``: settle only
-                those whose flags have arrived (:meth:`~gefen.nonfinite.PendingCheck.ready`) and stop at the first
-                that has not: no host wait (a steady Triton step; its counters are on the device).
-
-        Returns:
-            ``False`` when the last step settled was skipped; ``True`` otherwise (also when there was none).
-        """
-        pending = self.__dict__.setdefault("_pending_checks", [])
-        if wait:
-            self._fold_device_skips()
-        applied = True
-        while pending and (wait or pending[0].ready()):
-            bad = pending.pop(0).outcome()
-            if bad:
-                self._record_skip(StepSkip(nonfinite=True, names=bad))
-            else:
-                self._advance_global_step()
-            applied = not bad
-        return applied
 
     @property
     def compile_time_s(self) -> float:
@@ -753,29 +727,6 @@ class GefenOptimizer(torch.optim.Optimizer):
         self._global_step = value
         if self._global_step_t is not None:
             self._global_step_t.fill_(value)
-
-    def _count_on_device(self, applied: Tensor) -> None:
-        """``capturable=True``: count a step decided on the device (``applied``: 0-dim int32, 1 when applied) in
-        the device counters, with no host read (a CUDA graph replays it)."""
-        assert self._global_step_t is not None and self._skipped_t is not None
-        self._global_step_t.add_(applied)
-        self._skipped_t.add_(1 - applied)
-
-    def _fold_device_skips(self) -> None:
-        """Move the steps skipped on the device (``capturable=True``) into :attr:`skipped_steps`, with one warning
-        for them (one host read; the parameters are not named: under capture the host saw none of those steps)."""
-        counter = self.__dict__.get("_skipped_t")
-        if counter is None:
-            return
-        skipped = int(counter)
-        if skipped:
-            counter.zero_()
-            self._skipped_steps += skipped
-            warn_user(
-                f"{self.kind}: {skipped} step(s) were skipped on the device because a gradient held NaN/Inf "
-                f"(capturable=True decides there, so the parameters are not named); nothing was changed by them "
-                f"({self._skipped_steps} skipped steps so far, see skipped_steps)."
-            )
 
     def _advance_global_step(self) -> None:
         if self._global_step_t is not None:
