@@ -111,3 +111,36 @@ def test_capturable_skip_is_gefens_alone() -> None:
     assert gefen.Gefen([w], capturable=True, nonfinite="skip").nonfinite == "skip"
     with pytest.raises(ConfigError, match=r"capturable=True.*nonfinite='skip'"):
         gefen.GefenMuon([w], capturable=True, nonfinite="skip")
+
+
+def test_a_triton_plan_that_cannot_be_built_falls_back_to_the_device_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend="auto"`` under ``capturable=True`` whose Triton plan fails to compile: the step runs on the
+    per-parameter device step (which reads nothing on the host), not the eager one (which reads the counters), with
+    one warning; the training equals a run that never tried Triton."""
+    from gefen.kernels import backends
+    from gefen.kernels.triton_plan import TritonPlan
+
+    def broken(self: object) -> None:
+        raise RuntimeError("no PTX for this device")
+
+    runs = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ("triton",))
+            monkeypatch.setattr(TritonPlan, "compile", broken)
+        params = _model()
+        opt = gefen.Gefen(params, lr=1e-2, capturable=True)
+        for step in range(3):
+            _set_grads(params, step)
+            if patched and step == 0:  # the first step prepares (and fails to build) the plan
+                with pytest.warns(UserWarning, match="no PTX for this device"):
+                    opt.step()
+            elif patched:
+                with HostReads() as mode:
+                    opt.step()
+                assert mode.reads == 0
+            else:
+                opt.step()
+        runs.append(params)
+    for (_, p), (_, q) in zip(*runs):
+        assert torch.equal(p, q)

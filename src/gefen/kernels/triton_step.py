@@ -82,6 +82,7 @@ class TritonBackend:
     def __init__(self) -> None:
         self._prepared: dict[tuple[int, ...], _Prepared] = {}
         self._arena: dict[torch.device, Tensor] = {}  # GefenMuon's m-hat buffers, shared by its parts
+        self._failed: set[tuple[int, ...]] = set()  # batches whose plan could not be built or compiled
         self._warned = False
         self.jit_time_s = 0.0  # seconds in Triton's compiler (plan.compile), none with warm caches
 
@@ -121,6 +122,8 @@ class TritonBackend:
             return []
         device = jobs[0].target.device
         key = tuple(id(job.param) for job in jobs)
+        if key in self._failed and not any(context.strict(job, self.name) for job in jobs):
+            return list(jobs)  # its plan failed before (warned then): not rebuilt every step
         outs = self._momentum_buffers(jobs, device)
         groups: dict[int, int] = {}
         rows: list[list[float]] = []
@@ -150,6 +153,7 @@ class TritonBackend:
                 self._prepared[key] = prepared
         except Exception as exc:  # a plan's check (ValueError) or Triton's compiler: nothing was written yet
             self._prepared.pop(key, None)
+            self._failed.add(key)
             if any(context.strict(job, self.name) for job in jobs):
                 raise StepError(
                     f"{context.kind}(backend='triton'): the step's plan could not be built or compiled: "

@@ -357,9 +357,11 @@ class Gefen(GefenOptimizer):
             if status == "refused":
                 return loss
             self._finish_jobs([job for _, batch in part for job in batch])
-        if status == "applied" and jobs:  # a step that saw only all-zero first gradients (e.g. DCP's hidden init
-            self._advance_global_step()  # step) does not count; a device-decided one counts when it is settled (or
-        return loss  # on the device, "counted", under capturable=True)
+        # A step that saw only all-zero first gradients (e.g. DCP's hidden init step) does not count; a step decided
+        # on the device counts when it is settled ("pending"), or on the device itself ("counted", capturable=True).
+        if status == "applied" and jobs:
+            self._advance_global_step()
+        return loss
 
     def _initial_state(self, item: WorkItem, group: Mapping[str, Any], period: int, zero_code: int) -> dict[str, Any]:
         """A parameter's first state (zeros, codes at the zero code), not yet published."""
@@ -451,12 +453,13 @@ class Gefen(GefenOptimizer):
             left: list[StepJob] = []
             for backend, batch in batches:
                 left.extend(backend.prepare(batch, context))
-            if left:
+            if left:  # to the eager step (capturable: the per-parameter device step, which reads nothing)
                 moved = {id(job) for job in left}
-                eager = self._backends.get("eager")
-                kept = [(b, [j for j in batch if id(j) not in moved]) for b, batch in batches if b is not eager]
-                eager_jobs = [j for b, batch in batches if b is eager for j in batch] + left
-                batches = [(b, batch) for b, batch in kept if batch] + [(eager, eager_jobs)]
+                fallback = self._on_device if self.capturable else self._backends.get("eager")
+                kind = type(fallback)
+                kept = [(b, [j for j in batch if id(j) not in moved]) for b, batch in batches if type(b) is not kind]
+                fallback_jobs = [j for b, batch in batches if type(b) is kind for j in batch] + left
+                batches = [(b, batch) for b, batch in kept if batch] + [(fallback, fallback_jobs)]
             parts.append(batches)
         return parts
 
