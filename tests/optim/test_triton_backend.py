@@ -265,3 +265,33 @@ def test_triton_steps_do_not_wait_for_earlier_device_decisions(monkeypatch: pyte
         assert torch.equal(p, q)
         assert all(torch.equal(oa.state[p][k], ob.state[q][k]) for k in oa.state[p])
     assert [int(ob.state[q]["step"]) for _, q in b] == [4] * (len(b) - 1) + [last]
+
+
+def test_triton_load_state_dict_replaces_the_device_counters() -> None:
+    """A checkpoint loaded into an optimizer whose plans hold device counters of later steps: the next step uses the
+    loaded counters (the plans are dropped with the state they were built on), as a fresh optimizer loaded from the
+    same checkpoint does."""
+    import copy
+
+    params, opt = _train("triton", 2)
+    saved = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for _, p in params]
+    for step in (2, 3):  # the plan's device counters move on to 4
+        for (_, p), g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+    fresh_params = _params(0)
+    for (_, p), v in zip(fresh_params, values):
+        p.data.copy_(v)
+    fresh = gefen.Gefen(fresh_params, lr=1e-2, weight_decay=0.1, backend="triton")
+    fresh.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict(saved)
+    for ps, o in ((params, opt), (fresh_params, fresh)):
+        for (_, p), v in zip(ps, values):
+            p.data.copy_(v)
+        for (_, p), g in zip(ps, _grads(ps, 9)):
+            p.grad = g
+        o.step()
+    for (_, p), (_, q) in zip(params, fresh_params):
+        assert torch.equal(p, q)
+        assert int(opt.state[p]["step"]) == int(fresh.state[q]["step"]) == 3

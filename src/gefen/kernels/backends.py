@@ -189,6 +189,9 @@ class StepBackend(Protocol):
     #: counters advanced by its own kernels, a CUDA graph can capture it).
     captures: bool
 
+    # Optional: ``forget_state() -> None``, called when the optimizer's state is replaced (a load), to drop what the
+    # backend derived from the old state (see :meth:`Backends.forget_state`).
+
     def available(self) -> str:
         """Why this backend cannot run in this process at all (a missing library or package; empty: it can)."""
         ...
@@ -288,6 +291,14 @@ class Backends:
     def loaded(self, name: str) -> StepBackend | None:
         """The instance of backend ``name`` if it was created, else ``None`` (creates nothing)."""
         return self._instances.get(name)
+
+    def forget_state(self) -> None:
+        """The optimizer's state was replaced (a load): every backend drops what it derived from the old one (the
+        Triton backend's plans and their device step counters), through its optional ``forget_state()``."""
+        for backend in self._instances.values():
+            forget = getattr(backend, "forget_state", None)
+            if forget is not None:
+                forget()
 
     def choose(self, requested: str, param: Tensor, grad_dtype: torch.dtype, sharded: bool) -> tuple[str, str]:
         """The backend that steps ``param``, and why it is not the one asked for.

@@ -86,6 +86,10 @@ class TritonBackend:
         self._warned = False
         self.jit_time_s = 0.0  # seconds in Triton's compiler (plan.compile), none with warm caches
 
+    def forget_state(self) -> None:
+        """Drop every plan: they hold the old state's addresses and device step counters (a load replaced them)."""
+        self._prepared.clear()
+
     def available(self) -> str:
         try:
             import triton  # noqa: F401

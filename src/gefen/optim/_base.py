@@ -685,6 +685,7 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         self._set_codebook(staged.codebook)
         self._set_global_step(staged.global_step)
         self._skipped_steps = staged.metadata.skipped_steps
+        self._backends.forget_state()  # plans built on the old state (device step counters) are dropped
 
     def _run_load_post_hooks(self) -> None:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
