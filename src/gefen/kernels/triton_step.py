@@ -65,6 +65,7 @@ class _Prepared:
         self.table: Tensor | None = None  # the device group table of ``rows``, kept while they do not change
         self.rows: list[list[float]] = []
         self.copies: list[tuple[Tensor, Tensor]] = []
+        self.states: tuple[int, ...] = ()  # the jobs' state tensors (their codes' addresses) the mirror counts for
 
 
 #: Plans kept per optimizer (least recently built dropped first).
@@ -149,7 +150,8 @@ class TritonBackend:
             triton_jobs.append(_triton_job(job, row, outs[i], counter, copies))
         try:
             if prepared is None or not prepared.plan.matches(triton_jobs):  # type: ignore[attr-defined]
-                old = prepared.mirror if prepared is not None else None
+                same_state = prepared is not None and prepared.states == _state_ptrs(jobs)
+                old = prepared.mirror if same_state else None  # type: ignore[union-attr]
                 prepared = self._build(jobs, triton_jobs, outs, context, old)
                 self._prepared.pop(key, None)
                 while len(self._prepared) >= _MAX_PLANS:
@@ -206,9 +208,9 @@ class TritonBackend:
         context: StepContext,
         mirror: Tensor | None,
     ) -> _Prepared:
-        """A new plan. Its device counters: ``mirror``, those of the batch's previous plan (the same parameters in
-        the same order, current on the device whatever is still unsettled), else copied from the optimizer's host
-        counters once every pending step is settled (no device read when none is)."""
+        """A new plan. Its device counters: ``mirror``, those of the batch's previous plan (the same parameters and
+        states in the same order, current on the device whatever is still unsettled), else copied from the
+        optimizer's host counters once every pending step is settled (no device read when none is)."""
         from gefen.kernels import triton_plan
 
         device = jobs[0].target.device
@@ -226,7 +228,9 @@ class TritonBackend:
         start = time.perf_counter()
         plan.compile()  # Triton's JIT now, not at the first launch half-way through the step
         self.jit_time_s += time.perf_counter() - start
-        return _Prepared(plan, mirror, outs)
+        prepared = _Prepared(plan, mirror, outs)
+        prepared.states = _state_ptrs(jobs)
+        return prepared
 
     def run(self, jobs: list[StepJob], context: StepContext, check: str = "") -> StepOutcome:
         """One launch sequence for every job of the batch; with ``check="device"`` the step is decided on the device
@@ -251,6 +255,12 @@ class TritonBackend:
         else:
             torch._foreach_add_(counters, 1)
         return outcome
+
+
+def _state_ptrs(jobs: list[StepJob]) -> tuple[int, ...]:
+    """The addresses of the jobs' codes: a plan rebuilt for new gradients or parameters keeps its device counters
+    only while every job still has the same state (a new state, e.g. reset by hand, starts from its own counter)."""
+    return tuple(job.state[FIRST_MOMENT_CODES].data_ptr() for job in jobs)
 
 
 def _triton_job(
