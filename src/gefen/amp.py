@@ -15,6 +15,7 @@ the ordinary path (where Accelerate/Trainer also see ``step_was_skipped``). Sour
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -169,6 +170,13 @@ def usable_flags(grads: Sequence[Tensor]) -> Tensor:
     return torch.stack([_usable(g) for g in grads])
 
 
+@functools.lru_cache(maxsize=1024)
+def _usable_bound_fp32(numel: int) -> float:
+    """:func:`usable_bound` rounded to fp32 (what a float32 comparison uses), cached: a model has few sizes and the
+    multi-tensor check asks for every gradient's at every step."""
+    return struct.unpack("f", struct.pack("f", usable_bound(numel)))[0]
+
+
 def usable_flags_multi_tensor(grads: Sequence[Tensor]) -> Tensor:
     """:func:`usable_flags` by torch's multi-tensor reductions: per dtype, the largest magnitude of every gradient
     (``_foreach_norm(ord=inf)``) compared with its :func:`usable_bound` (``peak - fp32(bound) <= 0``: exact, a
@@ -193,7 +201,7 @@ def usable_flags_multi_tensor(grads: Sequence[Tensor]) -> Tensor:
             flags[i] = torch.ones((), dtype=torch.bool, device=g.device)
     for indices in by_dtype.values():
         tensors = [grads[i].detach() for i in indices]
-        bounds = [struct.unpack("f", struct.pack("f", usable_bound(t.numel())))[0] for t in tensors]  # fp32(bound)
+        bounds = [_usable_bound_fp32(t.numel()) for t in tensors]
         margins = torch._foreach_sub(torch._foreach_norm(tensors, float("inf")), bounds)
         wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # fp16's sum would overflow
         totals = torch._foreach_norm(tensors, 1, dtype=wide)

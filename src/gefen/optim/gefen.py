@@ -533,6 +533,7 @@ class Gefen(GefenOptimizer):
 
     @property
     def _on_device(self) -> _OnDeviceBackend:
+        """The per-parameter device step as a backend (stateless: a thin wrapper made on demand, never pickled)."""
         return _OnDeviceBackend(self._update_on_device)
 
     def _finish_jobs(self, jobs: list[StepJob]) -> None:
