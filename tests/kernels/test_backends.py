@@ -236,6 +236,27 @@ def test_native_param_groups_with_a_scheduler_match_eager() -> None:
         _sync(test, ref, test_ps, ref_ps)
 
 
+def test_state_report_names_the_backend_that_ran_each_step() -> None:
+    """``state_report()``'s ``backend``: ``None`` until a parameter steps in this process, then the backend that ran
+    its latest step: the native one for CPU fp32 under ``backend="auto"``, eager for float64 (which it does not
+    take) or when asked for; it follows a change of the group's backend; GefenMuon's momentum likewise."""
+    gen = torch.Generator().manual_seed(5)
+    p, q, r = (torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(16, 32), (40,), (8, 8)])
+    d = torch.nn.Parameter(torch.randn(24, 16, dtype=torch.float64, generator=gen))
+    opt = gefen.Gefen([("p", p), ("q", q), ("r", r), ("d", d)], lr=1e-3)
+    assert [row["backend"] for row in opt.state_report()] == [None] * 4
+    for t in (p, q, d):
+        t.grad = torch.randn(t.shape, dtype=t.dtype, generator=gen)
+    opt.step()
+    assert [row["backend"] for row in opt.state_report()] == ["native", "native", None, "eager"]
+    opt.param_groups[0]["backend"] = "eager"
+    opt.step()
+    assert [row["backend"] for row in opt.state_report()] == ["eager", "eager", None, "eager"]
+    muon = gefen.GefenMuon([p])
+    muon.step()
+    assert muon.state_report()[0]["backend"] == "native"
+
+
 def test_native_is_bit_identical_for_every_thread_count() -> None:
     """The work is split into tasks of a fixed size, so 1 and 2 threads give the same bits (deterministic=True)."""
     results = []

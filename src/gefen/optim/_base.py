@@ -262,6 +262,7 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         self._pending_codebook: Tensor | None = None
         self._warned_native = False
         self._pending_checks: list[PendingCheck] = []  # steps decided on the device, not yet settled, oldest first
+        self._stepped_by: dict[int, str] = {}  # id(param) -> the backend that ran its latest step (state_report)
 
     @property
     def compile_time_s(self) -> float:
@@ -748,7 +749,10 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
             ``None`` before its first update), ``second_moment`` (``"block"``, ``"factored"``, ``"momentum"``
             (GefenMuon) or ``None``), ``layout`` (str or ``None``: ``"factored"``, ``"blocks"``, ``"blocks
             (flattened: degenerate shape)"`` for a shape whose rows are too short to hold a block, see
-            :func:`gefen.state.layout_name`), ``state_bytes`` (int, bytes; this rank's, when sharded).
+            :func:`gefen.state.layout_name`), ``state_bytes`` (int, bytes; this rank's, when sharded), ``backend``
+            (str or ``None``: the step backend that ran the parameter's latest step in this process, ``"native"``,
+            ``"eager"``, ``"compiled"``, ``"triton"`` or ``"per-parameter device"``; for a sharded parameter, the
+            one that stepped this rank's shard; ``None`` before its first step here, e.g. right after a load).
         """
         self._settle_pending_check()
         rows = []
@@ -767,6 +771,7 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
                     "second_moment": kind,
                     "layout": layout,
                     "state_bytes": state_bytes(st),
+                    "backend": self._stepped_by.get(id(p)),
                 }
             )
         return rows

@@ -527,6 +527,9 @@ class Gefen(GefenOptimizer):
                     if not self._settle_pending_check():
                         return "refused"  # skipped: every kernel write was masked, and nothing else has run
                     status = "settled"
+            left = {id(job) for job in outcome.left}
+            for job in batch:  # what state_report() names as each parameter's backend
+                self._stepped_by[id(job.param)] = "eager" if id(job) in left else backend.name
             if outcome.left:
                 self._backends.get("eager").run(outcome.left, context)
         return status
