@@ -271,43 +271,46 @@ def _unpadded(parts: list[Tensor], shard: RowShard) -> Tensor:
 
 def gather_rows(local_rows: Tensor, shard: RowShard) -> Tensor:
     """All-gather the rows of every rank into the full ``(R,) + local_rows.shape[1:]`` tensor (collective: every
-    rank of the mesh must call it, in the same order)."""
+    rank of the mesh must call it, in the same order). It travels on :func:`collective_device` and comes back on
+    ``local_rows``' device."""
     import torch.distributed as dist
 
-    padded = _padded(local_rows, shard)
+    padded = _padded(local_rows, shard).to(collective_device(shard))
     parts = [torch.empty_like(padded) for _ in range(shard.world)]
     dist.all_gather(parts, padded, group=shard.group)
-    return _unpadded(parts, shard)
+    return _unpadded(parts, shard).to(local_rows.device)
 
 
 def gather_rows_to(local_rows: Tensor, shard: RowShard, owner: int) -> Tensor | None:
-    """Gather every rank's rows on mesh rank ``owner`` only (collective). Returns the full tensor on the owner,
-    ``None`` elsewhere."""
+    """Gather every rank's rows on mesh rank ``owner`` only (collective, on :func:`collective_device`). Returns
+    the full tensor on the owner (on ``local_rows``' device), ``None`` elsewhere."""
     import torch.distributed as dist
 
-    padded = _padded(local_rows, shard)
+    padded = _padded(local_rows, shard).to(collective_device(shard))
     dst = dist.get_global_rank(shard.group, owner)
     if shard.rank != owner:
         dist.gather(padded, None, dst=dst, group=shard.group)
         return None
     parts = [torch.empty_like(padded) for _ in range(shard.world)]
     dist.gather(padded, parts, dst=dst, group=shard.group)
-    return _unpadded(parts, shard)
+    return _unpadded(parts, shard).to(local_rows.device)
 
 
 def scatter_rows_from(full: Tensor | None, like: Tensor, shard: RowShard, owner: int) -> Tensor:
     """Scatter the rows of ``full`` (given on mesh rank ``owner``) so each rank receives its own rows
-    (collective). ``like`` gives the dtype, device and trailing shape. Returns this rank's rows."""
+    (collective, on :func:`collective_device`). ``like`` gives the dtype, device and trailing shape. Returns this
+    rank's rows."""
     import torch.distributed as dist
 
-    out = _padded(like[:0], shard)
+    device = collective_device(shard)
+    out = _padded(like[:0], shard).to(device)
     src = dist.get_global_rank(shard.group, owner)
     parts = None
     if shard.rank == owner:
         assert full is not None
-        parts = [_padded(full[start:stop], shard) for start, stop in map(shard.chunk, range(shard.world))]
+        parts = [_padded(full[start:stop], shard).to(device) for start, stop in map(shard.chunk, range(shard.world))]
     dist.scatter(out, parts, src=src, group=shard.group)
-    return out[: shard.stop - shard.start]
+    return out[: shard.stop - shard.start].to(like.device)
 
 
 def _gathered(local_rows: Tensor, shard: RowShard) -> Tensor:
@@ -333,11 +336,11 @@ def gather_rows_many(pieces: Sequence[tuple[Tensor, RowShard]]) -> list[Tensor]:
     travel as float32, exactly), instead of one per tensor (collective; every rank passes the same list).
 
     Args:
-        pieces: ``(local_rows, shard)`` pairs, ``local_rows`` of shape ``(stop − start,) + trailing`` on the
-            collective's device; every ``shard`` on the same mesh.
+        pieces: ``(local_rows, shard)`` pairs, ``local_rows`` of shape ``(stop − start,) + trailing``; every
+            ``shard`` on the same mesh. They travel on :func:`collective_device`.
 
     Returns:
-        The full tensors ``(R,) + trailing``, in the pieces' order and dtypes.
+        The full tensors ``(R,) + trailing``, in the pieces' order, dtypes and devices.
     """
     import torch.distributed as dist
 
@@ -349,7 +352,7 @@ def gather_rows_many(pieces: Sequence[tuple[Tensor, RowShard]]) -> list[Tensor]:
     for wire, indices in wires.items():  # insertion order: the same on every rank
         shard = pieces[indices[0]][1]
         padded = [_padded(pieces[i][0], pieces[i][1]) for i in indices]
-        flat = torch.cat([part.reshape(-1).to(wire) for part in padded])
+        flat = torch.cat([part.reshape(-1).to(wire) for part in padded]).to(collective_device(shard))
         parts = [torch.empty_like(flat) for _ in range(shard.world)]
         dist.all_gather(parts, flat, group=shard.group)
         offset = 0
@@ -357,7 +360,7 @@ def gather_rows_many(pieces: Sequence[tuple[Tensor, RowShard]]) -> list[Tensor]:
             rows, piece_shard = pieces[i]
             size = part.numel()
             chunks = [gathered[offset : offset + size].view(part.shape) for gathered in parts]
-            out[i] = _unpadded(chunks, piece_shard).to(rows.dtype)
+            out[i] = _unpadded(chunks, piece_shard).to(rows.device, rows.dtype)
             offset += size
     return [tensor for tensor in out if tensor is not None]
 
@@ -400,7 +403,12 @@ def write_block_jobs_(jobs: Sequence[Any]) -> None:
 
 def collective_device(shard: RowShard) -> torch.device:
     """Where a collective's tensors live on the mesh of ``shard``: the current CUDA device for a CUDA mesh
-    (NCCL), else the CPU (gloo)."""
+    (NCCL), else the CPU (gloo).
+
+    Every collective of the optimizers goes through it, whatever device the local shards are on: under FSDP2's
+    ``CPUOffloadPolicy`` a CUDA mesh holds CPU shards (stepped on the CPU), and its process group may have no CPU
+    backend (``init_process_group("nccl")``), so their pieces travel on the GPU and come back. On a CPU mesh, and
+    for shards already on the mesh's device, the moves are no-ops."""
     if shard.mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

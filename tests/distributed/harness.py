@@ -74,15 +74,19 @@ def _tail(done: Any, chars: int = 6000) -> str:
     return f"--- stdout ---\n{text(done.stdout)[-chars:]}\n--- stderr ---\n{text(done.stderr)[-chars:]}"
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, out: str, fn: Callable[..., Any], args: tuple, backend: str = "gloo"
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)  # 2 cores shared by the ranks: no oversubscription
     result: dict[str, Any]
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -119,8 +123,13 @@ def _teardown(ok: bool) -> None:
     dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    ``backend`` is the process group's (``init_process_group``'s string): a CUDA test passes ``"nccl"`` (each rank
+    then uses GPU ``rank``) or ``"cpu:gloo,cuda:nccl"``.
 
     Raises:
         WorldFailed: a rank raised (its traceback in the message), died, or the deadline passed (all ranks are
@@ -128,7 +137,11 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s
     """
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=False, start_method="spawn"
+            _worker,
+            args=(world_size, free_port(), out, fn, args, backend),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
         try:

@@ -18,7 +18,7 @@ from gefen.kernels.native import NATIVE_DTYPES, as_float32, native_status, run_r
 from gefen.kernels.native import check_arguments as check_native_arguments
 from gefen.kernels.native import record as native_record
 from gefen.math.lookup import NearestCodeTable
-from gefen.sharding import all_reduce_
+from gefen.sharding import all_reduce_, collective_device
 from gefen.state import (
     FIRST_MOMENT_CODES,
     FIRST_MOMENT_SCALE,
@@ -83,7 +83,7 @@ def run_native_jobs(jobs: list[StepJob], table: NearestCodeTable, check: bool = 
     tables = (table.codebook, table.lut, table.thresholds)
     records, keep, copies, names, empty_steps = [], [], [], [], []
     threads = torch.get_num_threads()
-    reduce_length, group_of_shards = 0, None  # row-sharded factored parameters: one all-reduce for all of them
+    reduce_length, reduce_shard = 0, None  # row-sharded factored parameters: one all-reduce for all of them
     for item in jobs:
         state = item.state
         codes, scale, step = state[FIRST_MOMENT_CODES], state[FIRST_MOMENT_SCALE], state[STEP]
@@ -97,7 +97,7 @@ def run_native_jobs(jobs: list[StepJob], table: NearestCodeTable, check: bool = 
         if sharded_factored:  # its piece of the buffer, also on a rank that holds none of its rows
             assert item.shard is not None
             reduce_length += item.shard.row_length + 1
-            group_of_shards = item.shard.group
+            reduce_shard = item.shard
         if numel == 0:  # a rank without rows of a sharded parameter: only its counter moves
             empty_steps.append(step)
             continue
@@ -147,7 +147,9 @@ def run_native_jobs(jobs: list[StepJob], table: NearestCodeTable, check: bool = 
         names.append(item.name)
     if reduce_length:
         buffer = torch.zeros(reduce_length + 1, dtype=torch.float64)  # + the status slot
-        unusable = run_records(records, buffer, lambda b: all_reduce_(b, group_of_shards, "sum"))
+        assert reduce_shard is not None
+        device = collective_device(reduce_shard)  # a CUDA mesh's (CPU-offloaded shards): its pieces go there and back
+        unusable = run_records(records, buffer, lambda b: b.copy_(all_reduce_(b.to(device), reduce_shard.group, "sum")))
     else:
         unusable = run_records(records)
     if unusable:  # nothing was changed

@@ -30,6 +30,7 @@ from gefen.sharding import (
     RowShard,
     all_reduce_,
     as_sharded,
+    collective_device,
     gather_blocks,
     gather_rows,
     gather_rows_to,
@@ -358,8 +359,8 @@ class GefenMuon(Gefen):
             if item.shard is not None and group.get("sharded_mode", "exact") != "approx":
                 shard = item.shard
 
-                def reduce(sums: Tensor) -> Tensor:
-                    return all_reduce_(sums, shard.group, "sum")
+                def reduce(sums: Tensor) -> Tensor:  # on the mesh's device (CPU-offloaded shards of a CUDA mesh)
+                    return all_reduce_(sums.to(collective_device(shard)), shard.group, "sum").to(sums.device)
 
             normuon_(
                 orthogonal,
