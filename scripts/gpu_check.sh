@@ -22,6 +22,9 @@ python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py 2>&1 | tee "$o
 # the numbers next (the acceptance figures), before the long CPU-side rest of the suite
 python3 benchmarks/step.py --device cuda --size 125m > "$out/step_cuda_125m.json" 2> "$out/step_cuda_125m.err" || status=1
 python3 benchmarks/step.py --device cuda --size 25m > "$out/step_cuda_25m.json" 2> "$out/step_cuda_25m.err" || status=1
+# how much bigger a model trains on this GPU: one 16 GiB budget keeps it to a few minutes
+python3 -m gefen.cli.main capacity --device cuda --budget-gib 16 --json "$out/capacity_cuda_16g.json" \
+  --plot "$out/capacity_cuda_16g.png" > "$out/capacity_cuda.txt" 2> "$out/capacity_cuda.err" || status=1
 # the tests that run the Triton kernels under Triton's interpreter (CPU tensors), as in CI
 interpreted=(tests/kernels/test_triton_plan.py tests/kernels/test_triton_check.py tests/optim/test_triton_backend.py
   tests/optim/test_triton_capturable.py)

@@ -452,3 +452,20 @@ def test_cuda_first_step_synchronises_a_fixed_number_of_times():
 
     few, many = syncs(2), syncs(16)
     assert many == few and few <= 16, (few, many)
+
+
+def test_cuda_capacity_run_is_capped_by_the_budget_and_reports_out_of_memory():
+    """``gefen capacity`` on CUDA: a small model trains under its budget (peak = ``max_memory_allocated``), and a
+    model whose fp32 weights alone pass the budget comes back as ``oom`` from the capped allocator."""
+    from gefen.cli._capacity_probe import ProbeSpec, run_probe
+    from gefen.cli._capacity_search import model_family
+
+    family = model_family()
+    small = family[60]
+    spec = ProbeSpec("gefen", small.d_model, small.n_layers, small.d_ff, 2**30, "cuda", autocast="bf16")
+    fit = run_probe(spec, small)
+    assert fit.status == "fit", fit.detail
+    assert 4 * small.params < fit.peak_bytes <= 2**30 and fit.extra["max_memory_reserved"] >= fit.peak_bytes
+    big = next(m for m in family if 4 * m.params > 2**30)
+    oom = run_probe(ProbeSpec("adamw", big.d_model, big.n_layers, big.d_ff, 2**30, "cuda", autocast="bf16"), big)
+    assert oom.status == "oom" and "out of memory" in oom.detail and oom.fits(2**30) is False

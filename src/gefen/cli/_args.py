@@ -7,12 +7,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from pathlib import Path
 
-__all__ = ["PIP_HINT", "add_model_and_data_arguments", "output_problem"]
+__all__ = ["PIP_HINT", "add_model_and_data_arguments", "default_threads", "output_problem"]
 
 #: How to install the optional packages of plots and progress bars (named in help texts and errors).
 PIP_HINT = "pip install 'gefen[demo]'"
+
+
+def default_threads() -> int:
+    """The CPU cores this process may run on (its affinity mask on Linux, else ``os.cpu_count()``): the default
+    torch thread count of the commands' training processes."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,7 +41,6 @@ import concurrent.futures
 import json
 import math
 import multiprocessing
-import os
 import re
 import statistics
 import sys
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gefen.cli._args import PIP_HINT, add_model_and_data_arguments, output_problem
+from gefen.cli._args import PIP_HINT, add_model_and_data_arguments, default_threads, output_problem
 
 __all__ = ["add_parser", "run"]
 
@@ -68,13 +67,6 @@ _CURVE_POINT = re.compile(r"\[\s+(\d+),\s+([^\s\[\]]+)\s+\]")
 
 class _UsageError(Exception):
     """A bad argument or unusable data; reported as ``gefen demo: error: ...`` with exit code 2."""
-
-
-def _default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -117,7 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add(
         "--threads",
         type=int,
-        default=_default_threads(),
+        default=default_threads(),
         help="torch threads in each training process (default: all usable cores, %(default)s)",
     )
     add("--eval-every", type=int, default=25, help="evaluate every this many steps (default: %(default)s)")

@@ -14,11 +14,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gefen", description="Gefen: memory-efficient PyTorch optimizers.")
     parser.add_argument("--version", action="version", version=f"gefen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from gefen.cli import demo, find_lr, inspect_cmd
+    from gefen.cli import capacity, demo, find_lr, inspect_cmd
 
     demo.add_parser(sub)
     inspect_cmd.add_parser(sub)
     find_lr.add_parser(sub)
+    capacity.add_parser(sub)
     return parser
 
 
