@@ -229,6 +229,29 @@ def test_a_failing_run_and_a_hung_run_are_reported_not_raised() -> None:
     assert slow.status == "timeout" and slow.fits(4 * GIB) is None
 
 
+@pytest.mark.timeout(60)
+def test_an_interrupted_watch_kills_its_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gefen.cli._capacity_probe as probe_module
+
+    started = []
+    real_popen = probe_module.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupt(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe_module.subprocess, "Popen", popen)
+    monkeypatch.setattr(probe_module.time, "sleep", interrupt)
+    member = model_family()[5]
+    with pytest.raises(KeyboardInterrupt):
+        run_probe(_spec("adamw", member, 4 * GIB), member)
+    (child,) = started
+    assert child.returncode == -9  # killed and reaped, not left running
+
+
 # -- the command ------------------------------------------------------------------------------------------------------
 
 

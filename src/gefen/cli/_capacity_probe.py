@@ -176,19 +176,22 @@ def run_probe(spec: ProbeSpec, member: FamilyMember, timeout_s: float = 3600.0) 
                 stdout=stdout, stderr=stderr, env=env,
             )  # fmt: skip
             stopped, peak = None, None
-            while child.poll() is None:
-                if watch:
-                    level = read_peak_rss(child.pid)
-                    peak = max(peak or 0, level or 0)
-                    if peak > spec.budget_bytes:
-                        stopped = "over_budget"
-                if stopped is None and time.perf_counter() - start > timeout_s:
-                    stopped = "timeout"
-                if stopped is not None:
+            try:
+                while child.poll() is None:
+                    if watch:
+                        level = read_peak_rss(child.pid)
+                        peak = max(peak or 0, level or 0)
+                        if peak > spec.budget_bytes:
+                            stopped = "over_budget"
+                    if stopped is None and time.perf_counter() - start > timeout_s:
+                        stopped = "timeout"
+                    if stopped is not None:
+                        break
+                    time.sleep(_POLL_S)
+            finally:  # stopped, or Ctrl-C / an error here: the child never outlives its watch
+                if child.poll() is None:
                     child.kill()
                     child.wait()
-                    break
-                time.sleep(_POLL_S)
         seconds = time.perf_counter() - start
         tail = err.read_text(errors="replace")[-2000:]
         return outcome_from_events(member, _events(out), child.returncode, spec.budget_bytes, stopped,
