@@ -39,8 +39,10 @@ BEFORE, AFTER = 3, 3
 
 def _model(offload: bool, mesh: Any = None) -> torch.nn.Module:
     """A tiny LM, fully sharded (with ``CPUOffloadPolicy`` when ``offload``: ``pin_memory`` on a CUDA mesh): 45
-    hidden rows split 23/22, a LayerNorm and a bias (1-D: blocks span rows). ``mesh``: FSDP's default when ``None``
-    (the CPU one on gloo)."""
+    hidden rows split 23/22, a LayerNorm and a bias (1-D: blocks span rows). ``mesh``: a CPU mesh over every rank
+    when ``None`` (FSDP's default would be a CUDA one wherever a GPU is visible)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -51,7 +53,8 @@ def _model(offload: bool, mesh: Any = None) -> torch.nn.Module:
         torch.nn.GELU(),
         torch.nn.Linear(45, VOCAB, bias=False),
     )
-    pinned = mesh is not None and mesh.device_type == "cuda"  # pinned host memory needs CUDA
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    pinned = mesh.device_type == "cuda"  # pinned host memory needs CUDA
     fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pinned) if offload else OffloadPolicy())
     return model
 
@@ -237,3 +240,25 @@ def test_cuda_mesh_with_offloaded_shards_steps_natively_on_an_nccl_only_group():
         assert set(facts["backends"].values()) == {"native"}, facts["backends"]
         assert facts["losses"][-1] < 0.9 * facts["losses"][0], facts["losses"]
         _assert_same_run(facts, with_gloo[kind])
+
+
+@pytest.mark.slow
+def test_offload_benchmark_prints_its_json_object():
+    """``benchmarks/fsdp2_offload_step.py`` on the tiny set (2 pairs): one JSON object with both rows, every shard
+    stepped natively, AdamW's 8 bytes/param (its two fp32 moments) and Gefen's ~1; no assertion on the times."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fsdp2_offload_step.py"
+    args = [sys.executable, str(script), "--size", "tiny", "--steps", "2", "--warmup", "1", "--timeout", "200"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["world_size"] == 2 and report["local_shard_device"] == "cpu"
+    assert report["offload_policy"] == "CPUOffloadPolicy(pin_memory=False)"
+    gefen_row, adamw_row = report["results"]["gefen"], report["results"]["adamw_fused"]
+    assert gefen_row["backends"] == {"native": 20}  # tiny: embedding + 2 layers x 9 + the final norm
+    assert 8.0 <= adamw_row["state_bytes_per_param"] < 8.01
+    assert 1.0 <= gefen_row["state_bytes_per_param"] < 1.2
+    assert report["ratio_gefen_vs_adamw_fused"] > 0 and gefen_row["opt_step_time_s"] > 0
