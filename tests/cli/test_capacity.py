@@ -14,6 +14,7 @@ from gefen.cli._capacity_probe import EXIT_OOM, ProbeSpec, outcome_from_events, 
 from gefen.cli._capacity_search import (
     FamilyMember,
     Outcome,
+    format_params,
     largest_fitting,
     model_family,
     parameter_count,
@@ -48,6 +49,7 @@ def test_family_grows_by_2_to_6_percent_with_sane_shapes() -> None:
     assert max(middle) < 1.05  # the resolution of the answer between 100M and 100B parameters
     assert max(g for a, g in zip(family, growth) if a.params >= 10**7) < 1.12
     assert family[0].params < 10**6 and family[-1].params > 10**11
+    assert len({format_params(m.params) for m in family}) == len(family)  # neighbours never print alike
     for member in family:
         assert member.d_model % 64 == 0 and 32 <= member.d_model / member.n_layers <= 128
         assert member.d_ff % 64 == 0 and member.d_ff >= 8 * member.d_model // 3
@@ -263,12 +265,117 @@ def test_command_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> No
         (["--steps", "0"], "--steps=0 must be >= 1"),
         (["--device", "tpu"], "use cpu or cuda"),
         (["--json", "/no/such/folder/x.json"], "does not exist"),
+        (["--optimizers", ","], "names no optimizer"),
+        (["--seed", str(2**64)], "must be in [0, 2**63)"),
+        (["--json", "/tmp"], "is a folder"),
+        (["--plot", "x.txt"], "give a .png, .pdf or .svg"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "sees no CUDA device"))
     for argv, words in cases:
         assert (
             main(["capacity", "--budget-gib", "1", *argv] if "--budget-gib" not in argv else ["capacity", *argv]) == 2
         )
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "x"])
+def test_command_refuses_budgets_and_timeouts_that_are_not_positive_numbers(value: str) -> None:
+    for flag in ("--budget-gib", "--probe-timeout"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(
+                ["capacity", flag, value] if flag == "--budget-gib" else ["capacity", "--budget-gib", "1", flag, value]
+            )
+        assert exit_info.value.code == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_search_is_marked_has_no_ratio_and_fails_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cap.json"
+    argv = [
+        "capacity",
+        "--budget-gib",
+        "1",
+        "--optimizers",
+        "adamw,gefen",
+        "--probe-timeout",
+        "0.2",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 1
+    report = json.loads(out.read_text())
+    assert report["complete"] is False
+    for name in ("adamw", "gefen"):
+        (budget,) = report["results"][name]["budgets"]
+        assert budget["complete"] is False and budget["params_vs_adamw"] is None
+        assert budget["error"]["status"] == "timeout" and budget["largest"] is None
+    captured = capsys.readouterr()
+    assert "search stopped" in captured.err or "stopped" in captured.out
+    assert "lower bounds" in captured.err
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_command_and_its_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+    import threading
+
+    import gefen.cli._capacity_probe as probe_module
+
+    started = []
+    real_popen = probe_module.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return started[-1]
+
+    monkeypatch.setattr(probe_module.subprocess, "Popen", popen)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["capacity", "--budget-gib", "1", "--optimizers", "adamw"]) == 143
+    assert started[0].returncode == -9 and signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: PR_SET_PDEATHSIG")
+def test_a_child_dies_with_its_parent_even_under_kill_9() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "from gefen.cli._capacity_probe import ProbeSpec, run_probe\n"
+        "from gefen.cli._capacity_search import model_family\n"
+        "m = model_family()[200]\n"
+        "run_probe(ProbeSpec('adamw', m.d_model, m.n_layers, m.d_ff, 8 * 2**30, threads=1), m)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    children: list[int] = []
+    deadline = time.monotonic() + 60
+    while not children and time.monotonic() < deadline:
+        time.sleep(0.1)
+        text = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        children = [int(pid) for pid in text]
+    assert children, "the parent never started its child"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        return "\nState:\tZ" not in state  # a zombie waiting to be reaped is dead
+
+    deadline = time.monotonic() + 10
+    while alive(children[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(children[0])
 
 
 @pytest.mark.slow
@@ -290,9 +397,10 @@ def test_command_end_to_end_on_a_small_budget(tmp_path: Path, capsys: pytest.Cap
         assert above["status"] == "over_budget" and above["params"] > best["params"]
         family = {m.params: m.index for m in model_family()}
         assert family[above["params"]] == family[best["params"]] + 1  # neighbours: the boundary is exact
-        assert name in printed and f"{best['params'] / 1e6:.0f}M" in printed
+        assert name in printed and format_params(best["params"]) in printed
         largest[name] = best["params"]
     assert largest["gefen"] > 1.3 * largest["adamw"]  # even where the interpreter is half the budget
+    assert report["complete"] is True and all(b["complete"] for e in report["results"].values() for b in e["budgets"])
     ratio = report["results"]["gefen"]["budgets"][0]["params_vs_adamw"]
     assert ratio == round(largest["gefen"] / largest["adamw"], 3)
     runs = [r for r in report["runs"] if r["optimizer"] == "gefen"]

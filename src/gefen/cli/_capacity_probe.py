@@ -135,7 +135,8 @@ def outcome_from_events(
                        detail=f"out of memory during {phase}: {message}", **common)  # fmt: skip
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
-        why = " (the kernel's OOM killer: the machine ran out of memory)" if -returncode == signal.SIGKILL else ""
+        why = " (most likely the system's OOM killer: the machine or container ran out of memory)"
+        why = why if -returncode == signal.SIGKILL else ""
         return Outcome(status="killed", peak_bytes=watched_peak, phase=phase,
                        detail=f"killed by {name}{why} during {phase}", **common)  # fmt: skip
     error = next((e for e in events if e.get("event") == "error"), None)
@@ -152,6 +153,15 @@ def outcome_from_events(
     detail = "" if status == "fit" else "finished, but its peak passed the budget"
     return Outcome(status=status, peak_bytes=peak, state_bytes=int(done["state_bytes"]), phase="done",
                    detail=detail, extra=extra, **common)  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """In the child before ``exec`` (Linux): have the kernel SIGKILL it when the parent dies, however the parent
+    ends (``kill -9`` included), so no run outlives the watch on its budget."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def run_probe(spec: ProbeSpec, member: FamilyMember, timeout_s: float = 3600.0) -> Outcome:
@@ -174,6 +184,7 @@ def run_probe(spec: ProbeSpec, member: FamilyMember, timeout_s: float = 3600.0) 
             child = subprocess.Popen(
                 [sys.executable, "-m", "gefen.cli._capacity_probe", json.dumps(asdict(spec))],
                 stdout=stdout, stderr=stderr, env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
             stopped, peak = None, None
             try:
@@ -211,8 +222,10 @@ def _own_peak_bytes(device: str) -> int:
     peak = read_peak_rss(os.getpid())
     if peak is not None:
         return peak
-    import resource
-
+    try:
+        import resource
+    except ImportError:  # Windows: no peak to read, and a run without one must not pass for a fit
+        raise RuntimeError("this system reports no peak resident set (no /proc, no resource module)") from None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

@@ -79,12 +79,11 @@ class FamilyMember:
 
 
 def format_params(params: int) -> str:
-    """``123456789`` → ``"123M"``, ``12_345_678_901`` → ``"12.3B"``, ``900_000`` → ``"0.9M"``."""
-    if params >= 10**10:
-        return f"{params / 1e9:.1f}B"
-    if params >= 10**7:
-        return f"{params / 1e6:.0f}M"
-    return f"{params / 1e6:.1f}M"
+    """Three significant digits: ``123456789`` → ``"123M"``, ``19_512_345`` → ``"19.5M"``, ``1_234_567_890`` →
+    ``"1.23B"``, ``278_912`` → ``"0.279M"`` (neighbours of the family never print alike)."""
+    value, unit = (params / 1e9, "B") if params >= 10**9 else (params / 1e6, "M")
+    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    return f"{value:.{digits}f}{unit}"
 
 
 @functools.cache

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,22 +41,44 @@ class _UsageError(Exception):
     """A bad argument; reported as ``gefen capacity: error: ...`` with exit code 2."""
 
 
+def _cgroup_room_bytes() -> int | None:
+    """Memory this process's cgroup may still take (its limit minus its usage), ``None`` without a limit."""
+    pairs = (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    )
+    for limit_path, usage_path in pairs:
+        try:
+            limit, usage = Path(limit_path).read_text().strip(), Path(usage_path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit() and int(limit) < 2**60:  # "max" or a huge v1 value: no limit
+            return max(0, int(limit) - int(usage))
+    return None
+
+
 def _available_cpu_bytes() -> int | None:
+    """Memory available to a new process now, bytes: ``MemAvailable`` capped by a container's memory limit,
+    ``None`` where it cannot be read."""
+    free = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = None
+    room = _cgroup_room_bytes()
+    if room is not None:
+        free = room if free is None else min(free, room)
+    return free
 
 
 def default_budget_bytes(device: str) -> int:
     """The default budget in bytes: the GPU's total memory on CUDA; on the CPU 90 % of the memory available now
-    (``MemAvailable``), rounded down to 1/4 GiB.
+    (``MemAvailable``, capped by a container's memory limit), rounded down to 1/4 GiB.
 
     Raises:
         RuntimeError: the CPU's available memory cannot be read on this system (pass ``--budget-gib``).
@@ -95,10 +119,21 @@ def _member_record(outcome: Outcome) -> dict[str, Any]:
     return record
 
 
+def _complete(result: SearchResult) -> bool:
+    """Whether the search answered: the largest fit and the next model, which did not fit, both measured (or
+    the smallest model did not fit), with no run stopped for another reason."""
+    if result.error is not None:
+        return False
+    if result.largest is None:
+        return True  # the search ends without a fit only when the smallest model did not fit
+    return result.next_larger is not None
+
+
 def _budget_record(result: SearchResult) -> dict[str, Any]:
     return {
         "budget_gib": round(result.budget_bytes / GIB, 4),
         "budget_bytes": result.budget_bytes,
+        "complete": _complete(result),
         "largest": None if result.largest is None else _member_record(result.largest),
         "next_larger": None if result.next_larger is None else _member_record(result.next_larger),
         "error": None if result.error is None else _member_record(result.error),
@@ -173,8 +208,12 @@ def measure_capacity(
         ]
         results[name] = {"description": entry.description, "budgets": [_budget_record(r) for r in per_budget]}
     _add_ratios(results)
+    from gefen._version import __version__
+
     return {
         "command": "gefen capacity",
+        "gefen": __version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": device,
         "device_name": _device_name(device),
         "torch": _torch_version(),
@@ -185,6 +224,15 @@ def measure_capacity(
         "threads": threads,
         "autocast": autocast,
         "checkpoint_activations": checkpoint_activations,
+        "seed": seed,
+        "probe_timeout_s": probe_timeout_s,
+        "complete": all(b["complete"] for entry in results.values() for b in entry["budgets"]),
+        "notes": (
+            "Each budget's 'largest' trained all steps with its measured peak within the budget; 'next_larger' is the "
+            "next model of the family, which did not fit. A run stopped at a limit ('phase' other than 'done') "
+            "reached at least 'peak_bytes' (a lower bound). 'complete': false marks a search stopped by a run that "
+            "failed for another reason (its 'error'); its 'largest' is then only a lower bound and has no ratio."
+        ),
         "memory": "peak resident set of the training process (VmHWM)"
         if not device.startswith("cuda")
         else "torch.cuda.max_memory_allocated (allocator capped at the budget)",
@@ -198,11 +246,15 @@ def _add_ratios(results: dict[str, Any]) -> None:
     if "adamw" not in results:
         return
     base = {b["budget_bytes"]: b["largest"] for b in results["adamw"]["budgets"]}
+    adamw_complete = {b["budget_bytes"]: b["complete"] for b in results["adamw"]["budgets"]}
     for entry in results.values():
         for budget in entry["budgets"]:
             adamw, ours = base.get(budget["budget_bytes"]), budget["largest"]
+            answered = budget["complete"] and adamw_complete.get(budget["budget_bytes"], False)
             budget["params_vs_adamw"] = (
-                round(ours["params"] / adamw["params"], 3) if adamw is not None and ours is not None else None
+                round(ours["params"] / adamw["params"], 3)
+                if answered and adamw is not None and ours is not None
+                else None
             )
 
 
@@ -239,12 +291,16 @@ def format_table(report: dict[str, Any]) -> str:
                 rows.append([name, f"{budget['budget_gib']:g}", first, "", "", "", ""])
                 continue
             label = f"{format_params(largest['params'])} (d={largest['d_model']}, L={largest['n_layers']})"
+            if not budget["complete"]:
+                label = f">= {label}, search stopped"
             ratio = budget.get("params_vs_adamw")
-            if above is not None:
-                peak = f", {above['peak_gib']:.2f}+ GiB" if above.get("peak_gib") is not None else ""
+            if budget["error"] is not None:
+                nxt = f"{format_params(budget['error']['params'])}: {budget['error'].get('detail', '')}"
+            elif above is not None:
+                exact = above.get("phase") == "done"
+                peak = above.get("peak_gib")
+                peak = "" if peak is None else (f", {peak:.2f} GiB" if exact else f", > {above['limit_gib']:g} GiB")
                 nxt = f"{format_params(above['params'])}: {above['status'].replace('_', ' ')}{peak}"
-            elif budget["error"] is not None:
-                nxt = f"{format_params(budget['error']['params'])}: {budget['error']['status']}"
             else:
                 nxt = "not measured"
             rows.append([
@@ -283,7 +339,11 @@ def write_plot(path: str, report: dict[str, Any]) -> None:
     axes.set_ylabel("largest model trained (M parameters)")
     device = report["device_name"]
     tokens = f"batch {report['batch_size']} x {report['seq_len']} tokens"
-    axes.set_title(f"gefen capacity: {device}, {tokens}, {report['steps']} steps", fontsize=9)
+    extras = [f"{report['autocast']} autocast"] if report["autocast"] != "none" else []
+    extras += ["activation checkpointing"] if report["checkpoint_activations"] else []
+    title = f"gefen capacity: {device}\n{tokens}, {report['steps']} steps, fp32 weights"
+    axes.set_title(", ".join([title, *extras]), fontsize=9)
+    axes.margins(x=0.12)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -302,11 +362,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Train models of growing size (the demo's architecture, wider and deeper) for a few full steps, each "
             "in its own process under the memory budget, and report the largest that trained per optimizer. "
             f"Known optimizers: {', '.join(CAPACITY_OPTIMIZERS)} (the 8-bit ones where installed). Run time grows "
-            "with the budget: an 8 GiB budget takes about 15 minutes on 2 CPU cores."
+            "with the budget: an 8 GiB budget takes about 14 minutes on 2 CPU cores. Peaks vary by about 0.2 %% "
+            "between identical runs, so a model right at the budget may fit in one run and not the next: the answer "
+            "is good to one model of the family (2-5 %% in parameters above 100M). Memory is assumed to grow along "
+            "the family, which holds while the weights dominate; with large batch x seq-len, where activations "
+            "dominate, shapes of similar size differ and the boundary is approximate. Exit status 1 when a search "
+            "was stopped by a run that failed for a reason other than memory (a timeout, an error)."
         ),
     )
     add = parser.add_argument
-    add("--budget-gib", type=float, nargs="+", default=None, metavar="GIB",
+    add("--budget-gib", type=_positive_float, nargs="+", default=None, metavar="GIB",
         help="one or more budgets in GiB (default: 90%% of the memory available now on the CPU, the GPU's "
              "memory on CUDA)")  # fmt: skip
     add("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
@@ -318,14 +383,51 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--steps", type=int, default=3, help="training steps each model must complete (default: %(default)s)")
     add("--threads", type=int, default=None, help="torch threads per run on the CPU (default: all usable cores)")
     add("--autocast", choices=("none", "bf16"), default=None,
-        help="forward/backward under bf16 autocast, weights fp32 (default: bf16 on CUDA, none on CPU)")  # fmt: skip
+        help="forward/backward under bf16 autocast, weights fp32 (default: bf16 on CUDA, none on CPU, where bf16 "
+             "autocast is slower and keeps fp32 copies beside the bf16 ones)")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute each block's activations in backward")
-    add("--probe-timeout", type=float, default=1800.0, help="seconds before a run is stopped (default: %(default)s)")
+    add("--probe-timeout", type=_positive_float, default=1800.0,
+        help="seconds before a run is stopped (default: %(default)s)")  # fmt: skip
     add("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
     add("--json", default=None, metavar="PATH", help="write the report as JSON here")
     add("--plot", default=None, metavar="PATH", help=f"write a PNG of parameters trained vs budget (needs {PIP_HINT})")
     parser.set_defaults(func=run)
     return parser
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def _check_device(device: str) -> None:
+    if device != "cpu" and not device.startswith("cuda"):
+        raise _UsageError(f"--device {device!r}: use cpu or cuda[:N].")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise _UsageError(f"--device {device}: this torch sees no CUDA device.")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise _UsageError(f"--device {device}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}.")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and Path(path).is_dir():
+            raise _UsageError(f"{flag} {path!r} is a folder; give a file name.")
+    if args.plot is not None and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise _UsageError(f"--plot {args.plot!r}: give a .png, .pdf or .svg file name.")
+    problem = output_problem("gefen capacity", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
+    if problem is not None:
+        raise _UsageError(problem)
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -336,39 +438,35 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not device.startswith("cuda"):
-        raise _UsageError(f"--device {device!r}: use cpu or cuda[:N].")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise _UsageError(f"--device {device}: this torch sees no CUDA device.")
-    names = default_names() if args.optimizers is None else [n.strip() for n in args.optimizers.split(",") if n]
+    _check_device(device)
+    names = default_names() if args.optimizers is None else [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    if not names:
+        known = ", ".join(CAPACITY_OPTIMIZERS)
+        raise _UsageError(f"--optimizers {args.optimizers!r} names no optimizer; known: {known}.")
     for name in names:
         if name not in CAPACITY_OPTIMIZERS:
             raise _UsageError(f"unknown optimizer {name!r}; known: {', '.join(CAPACITY_OPTIMIZERS)}.")
         if not available(name):
             raise _UsageError(f"{name} needs the {CAPACITY_OPTIMIZERS[name].requires!r} package, not installed here.")
-    if len(set(names)) != len(names) or not names:
+    if len(set(names)) != len(names):
         raise _UsageError(f"--optimizers {args.optimizers!r}: give each name once.")
     for flag, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--seq-len", args.seq_len),
                         ("--threads", args.threads)):  # fmt: skip
         if value is not None and value < 1:
             raise _UsageError(f"{flag}={value} must be >= 1.")
+    if not 0 <= args.seed < 2**63:
+        raise _UsageError(f"--seed={args.seed} must be in [0, 2**63).")
+    if args.threads is not None and args.threads > default_threads():
+        print(f"gefen capacity: warning: --threads {args.threads} is more than the {default_threads()} cores this "
+              "process may use; the runs will be slower, not larger.", file=sys.stderr)  # fmt: skip
     try:
         budgets = [default_budget_bytes(device)] if args.budget_gib is None else [int(g * GIB) for g in args.budget_gib]
     except RuntimeError as error:
         raise _UsageError(str(error)) from None
     if any(b < 2**27 for b in budgets) or len(set(budgets)) != len(budgets):
         raise _UsageError(f"--budget-gib {args.budget_gib}: each budget at least 0.125 GiB, each once.")
-    free = None if device.startswith("cuda") else _available_cpu_bytes()
-    if free is not None and max(budgets) > free:
-        print(f"gefen capacity: warning: a budget of {max(budgets) / GIB:.2f} GiB is more than the {free / GIB:.2f} "
-              "GiB available now; the system may kill runs before they reach it (reported as killed).",
-              file=sys.stderr)  # fmt: skip
-    problem = output_problem("gefen capacity", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
-    if problem is not None:
-        raise _UsageError(problem)
+    _warn_about_budgets(device, budgets)
+    _check_outputs(args)
     return {
         "optimizers": names,
         "budgets_bytes": budgets,
@@ -384,14 +482,63 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _warn_about_budgets(device: str, budgets: list[int]) -> None:
+    def warn(text: str) -> None:
+        print(f"gefen capacity: warning: {text}", file=sys.stderr)
+
+    if device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        if max(budgets) > total:
+            warn(f"a budget of {max(budgets) / GIB:.2f} GiB is more than this GPU's {total / GIB:.2f} GiB; its runs "
+                 "are capped at the GPU's memory.")  # fmt: skip
+        return
+    from gefen.cli._capacity_probe import read_peak_rss
+
+    if read_peak_rss(os.getpid()) is None:
+        warn("this system has no /proc/PID/status: runs cannot be stopped when they pass the budget, only judged by "
+             "their peak afterwards (a run larger than the machine's memory may swap).")  # fmt: skip
+    free = _available_cpu_bytes()
+    if free is not None and max(budgets) > free:
+        warn(f"a budget of {max(budgets) / GIB:.2f} GiB is more than the {free / GIB:.2f} GiB available now; the "
+             "system may kill runs before they reach it (reported as killed).")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
-    """Execute ``gefen capacity``; returns 0 on success, 2 for a bad argument, 130 on Ctrl-C. A run that fails
-    or runs out of memory is part of the report, not a failure of the command."""
+    """Execute ``gefen capacity``.
+
+    Returns:
+        0 when every search answered; 1 when a search was stopped by a run that failed for a reason other than
+        memory (the report still prints and is written, those rows marked); 2 for a bad argument; 130 on Ctrl-C
+        (or 143 on SIGTERM; the running child is killed either way). A run out of memory is an answer, not a
+        failure.
+    """
     try:
         settings = _resolve(args)
     except _UsageError as error:
         print(f"gefen capacity: error: {error}", file=sys.stderr)
         return 2
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args, settings)
+    except _Terminated:
+        print("\ngefen capacity: terminated", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: unwind (the running child is killed on the way out) and exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _run(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from tqdm import tqdm
 
     budgets = ", ".join(f"{b / GIB:g}" for b in sorted(settings["budgets_bytes"]))
@@ -423,4 +570,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         write_plot(args.plot, report)
         print(f"wrote {args.plot}")
+    if not report["complete"]:
+        print("gefen capacity: some searches were stopped by a run that failed for a reason other than memory (rows "
+              "marked 'search stopped'); their sizes are lower bounds. See 'error' in the JSON.",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
