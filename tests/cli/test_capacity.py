@@ -116,10 +116,14 @@ def test_a_run_stopped_at_a_lower_limit_does_not_decide_a_larger_budget() -> Non
     assert errored.fits(3 * GIB) is None and errored.fits(GIB) is None
 
 
-def test_search_when_nothing_fits() -> None:
+def test_search_when_nothing_fits_then_a_larger_budget_starts_from_the_smallest_model() -> None:
     runs = _FakeRuns(0.46 * GIB, 10.0)
-    result = largest_fitting(runs, int(0.3 * GIB), [], 10.0)
+    outcomes: list[Outcome] = []
+    result = largest_fitting(runs, int(0.3 * GIB), outcomes, 10.0)
     assert result.largest is None and result.error is None and runs.calls == [(0, int(0.3 * GIB))]
+    larger = largest_fitting(runs, GIB, outcomes, 10.0)
+    assert runs.calls[1] == (0, GIB) and larger.largest.member.index == _truth(runs, GIB)
+    assert larger.probes <= 5
 
 
 def test_search_stops_on_a_run_that_failed_for_another_reason() -> None:

@@ -180,9 +180,9 @@ def predicted_index(
 ) -> int:
     """The family index expected at the boundary of ``budget``: the largest model whose predicted peak fits.
 
-    The peak is modelled as ``base + slope · params``, a line through the measured peaks of completed runs
-    (the two farthest apart); with one run, through it with the prior slope's intercept kept at that run's level
-    minus ``prior_bytes_per_param · params`` clamped to be >= 0; with none, ``prior_bytes_per_param · params``.
+    The peak is modelled as ``base + slope · params``: the line through the measured peaks of the two completed
+    runs farthest apart; with one completed run, the prior slope through its peak (intercept clamped at >= 0);
+    with none, ``prior_bytes_per_param · params``.
 
     Args:
         family: :func:`model_family`.
@@ -193,7 +193,7 @@ def predicted_index(
     Returns:
         an index into ``family`` (0 when even the smallest model is predicted not to fit).
     """
-    points = sorted({(o.member.params, o.peak_bytes) for o in outcomes if o.status == "fit" and o.peak_bytes})
+    points = sorted({(o.member.params, o.peak_bytes) for o in outcomes if o.phase == "done" and o.peak_bytes})
     if len(points) >= 2 and points[-1][0] > points[0][0]:
         (n0, p0), (n1, p1) = points[0], points[-1]
         slope = max((p1 - p0) / (n1 - n0), 1.0)
@@ -222,10 +222,10 @@ def largest_fitting(
     """Find the largest family model that trains within ``budget`` bytes, by measurement.
 
     Each step runs the model the peak line predicts at the boundary (:func:`predicted_index`), kept strictly
-    between the largest known fit and the smallest known non-fit (bisecting when the prediction falls outside),
-    until a fit and a non-fit are neighbours in the family. Runs already in ``outcomes`` (other budgets' runs)
-    are reused where they decide this budget: a completed run's peak decides every budget, a run stopped at a
-    limit decides the budgets at or below it.
+    between the largest known fit and the smallest known non-fit (stepping down from a non-fit when a run has
+    refuted the prediction, see :func:`_next_index`), until a fit and a non-fit are neighbours in the family.
+    Runs already in ``outcomes`` (other budgets' runs) are reused where they decide this budget: a completed
+    run's peak decides every budget, a run stopped at a limit decides the budgets at or below it.
 
     Args:
         probe: ``probe(member, budget)`` trains ``member`` under a limit of ``budget`` bytes and returns its
@@ -275,8 +275,9 @@ def _next_index(
     above the known fit, or fewer parameters than the known non-fit, 7 % after one non-fit above the known fit
     and the step squared with each further one (7 %, 13.5 %, 25 %, 44 %): a prior far off costs a few quick
     non-fits (they stop as soon as they pass the budget), and the first fit near the boundary fixes the line."""
-    if not outcomes:
-        return 0
+    completed = any(o.phase == "done" for o in outcomes)
+    if not completed and not any(o.member.index == 0 and o.fits(budget) is not None for o in outcomes):
+        return 0  # nothing measured yet, or only runs stopped at smaller budgets: the fixed cost first
     guess = predicted_index(family, outcomes, budget, prior)
     if low < guess < high:
         return guess
