@@ -812,7 +812,10 @@ GEFEN: list[Case] = [
         fault=_duplicate(lambda w: gefen.Gefen([w, w], fused=False)),
     ),
     construct(
-        "param in two groups", ValueError, r"more than one parameter group", fault=lambda: _in_two_groups(_param(4, 4))
+        "param in two groups",
+        ConfigError,
+        r"param_groups\[1\]\['params'\]\[0\] is already in this Gefen as param_groups\[0\]\['params'\]\[0\]",
+        fault=lambda: _in_two_groups(_param(4, 4)),
     ),
     # step: the bad gradient goes to the second parameter
     *_bad_gradients("gefen", {"1.weight": "1.weight"}),
@@ -1062,8 +1065,8 @@ HYBRID_GEFEN: list[Case] = [
     ),
     construct(
         "duplicate param",
-        ValueError,
-        r"appears twice",
+        ConfigError,
+        r"'b\.weight' is the same tensor as 'a\.weight'.*listed twice",
         fault=_duplicate(lambda w: gefen.GefenMuonHybrid([("a.weight", w), ("b.weight", w)], lr=1e-3, fused=False)),
     ),
     # step: the bad gradient goes once to each half

@@ -44,7 +44,7 @@ Schema history:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -462,7 +462,7 @@ def stage_param_state(
         if value.dtype != tspec.dtype or tuple(value.shape) != tspec.shape:
             raise CheckpointError(
                 f"{where}['{key}'] has dtype {value.dtype} and shape {tuple(value.shape)}, expected "
-                f"{tspec.dtype} and {tspec.shape} (was the state cast or reshaped by another loader?)."
+                f"{tspec.dtype} and {tspec.shape}" + _shape_hint(value, tspec.dtype, tspec.shape, shape)
             )
         if tspec.non_negative and value.numel() and not bool(((value >= 0) & torch.isfinite(value)).all()):
             raise CheckpointError(f"{where}['{key}'] has negative or non-finite values.")
@@ -482,6 +482,21 @@ def is_placeholder(saved: object) -> bool:
         isinstance(v, Tensor) and v.numel() == 1 and not v.dtype.is_floating_point and int(v) == 0
         for v in saved.values()
     )
+
+
+def _shape_hint(value: Tensor, dtype: torch.dtype, expected: tuple[int, ...], param_shape: Sequence[int]) -> str:
+    """The end of a refusal for a state tensor of the wrong shape: a tensor of the right dtype whose element count
+    differs was saved for a parameter of another size (another model); otherwise a loader cast or reshaped it."""
+    count = 1
+    for d in expected:
+        count *= d
+    if value.dtype == dtype and value.numel() != count:
+        return (
+            f": this checkpoint is from a different model (its state holds {value.numel()} elements where this "
+            f"parameter of shape {tuple(param_shape)} needs {count}; were layer sizes changed since it was saved?). "
+            "Load it into the model it was saved from, or start this optimizer afresh."
+        )
+    return " (was the state cast or reshaped by another loader?)."
 
 
 def _stage_rows(
@@ -535,8 +550,8 @@ def _stage_rows(
             value = value.reshape(full_shape)
         if tuple(value.shape) != full_shape:
             raise CheckpointError(
-                f"{where} has shape {tuple(value.shape)}, expected {full_shape} (or {tuple(spec.shape)}); was the "
-                "state cast or reshaped by another loader?"
+                f"{where} has shape {tuple(value.shape)}, expected {full_shape} (or {tuple(spec.shape)})"
+                + _shape_hint(value, spec.dtype, full_shape, shape)
             )
         if shard is None:
             rows_here = value

@@ -223,7 +223,7 @@ def test_routing_of_the_toy_model() -> None:
 def test_validate_split_errors() -> None:
     model = _Toy()
     muon, backup = gefen.split_params_for_muon(model)
-    with pytest.raises(ValueError, match="appears twice"):
+    with pytest.raises(ValueError, match="listed twice"):
         gefen.validate_split(muon, backup + muon[:1])
     with pytest.raises(ValueError, match="not unique"):
         gefen.validate_split(muon, [("Q_PROJ.WEIGHT", torch.zeros(1))])

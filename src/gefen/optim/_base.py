@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gefen._warnings import warn_user
 from gefen.agreement import agree
@@ -34,6 +34,7 @@ from gefen.kernels.backends import Backends, fused_by_default, group_backend, re
 from gefen.nonfinite import PendingCheck, resolve_nonfinite, skip_message
 from gefen.optim._device_decisions import DeviceDecisions
 from gefen.optim._dropin import publish_group
+from gefen.optim._param_input import given_names, param_label, read_params, refuse_duplicates
 from gefen.sharding import RowShard, is_dtensor, local, local_state, mesh_key, row_shard
 from gefen.state import (
     STEP,
@@ -152,6 +153,8 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
     kind: str = "GefenOptimizer"
     #: Whether ``capturable=True`` may take ``nonfinite="skip"``, decided on the device (Gefen on Triton).
     _skips_on_device: bool = False
+    #: What a message tells a user who passed an ``nn.Module`` as ``params`` to pass instead.
+    _module_hint: str = "model.named_parameters() (names then appear in messages and checkpoints)"
 
     def _init_optimizer(
         self,
@@ -193,17 +196,12 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         self.deterministic = deterministic
         self.capturable = capturable
         check_group(defaults, self.kind)
-        if isinstance(params, Tensor):
-            raise TypeError(
-                f"{self.kind} params must be an iterable of tensors, (name, tensor) pairs or dicts, got a single "
-                "Tensor; pass [tensor] or model.parameters()."
-            )
+        groups = read_params(self.kind, params, self._module_hint)
         self._codebook: Tensor | None = None
         self._tables: dict[Any, Any] = {}  # per-device caches derived from the codebook
         self._global_step = 0
         self._skipped_steps = 0
         self._init_runtime()
-        groups = list(params)
         callers = [g if isinstance(g, dict) else None for g in groups]  # published once every group is accepted
         super().__init__([dict(g) if isinstance(g, dict) else g for g in groups], defaults)  # torch.optim's
         for index, caller in enumerate(callers if len(callers) == len(self.param_groups) else []):
@@ -300,30 +298,34 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         if isinstance(items, set):
             raise TypeError(f"{where}['params'] is a set, whose order changes between runs; pass a list.")
         items = list(items)  # an empty group is accepted, as torch accepts it (e.g. a "no decay" group of none)
+        names = given_names(items, group.get("param_names"))
+        labels = [param_label(where, i, name) for i, name in enumerate(names)]
         tensors = []
-        for i, item in enumerate(items):
+        for label, item in zip(labels, items):
             tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
             if isinstance(item, tuple) and (len(item) != 2 or not isinstance(item[0], str)):
-                raise TypeError(f"{where}['params'][{i}] must be a tensor or a (name, tensor) pair.")
+                raise TypeError(f"{label} must be a tensor or a (name, tensor) pair.")
+            if isinstance(tensor, nn.Module):
+                raise TypeError(f"{label} is a {type(tensor).__name__} (an nn.Module); pass {self._module_hint}.")
             if not isinstance(tensor, Tensor):
-                raise TypeError(f"{where}['params'][{i}] is a {type(tensor).__name__}, not a torch.Tensor.")
+                raise TypeError(f"{label} is a {type(tensor).__name__}, not a torch.Tensor.")
             if tensor.is_complex() or not tensor.is_floating_point():
                 raise ConfigError(
-                    f"{where}['params'][{i}] has dtype {tensor.dtype}; {self.kind} optimizes real floating "
+                    f"{label} has dtype {tensor.dtype}; {self.kind} optimizes real floating "
                     "tensors only (for complex parameters optimize torch.view_as_real(p))."
                 )
             tensors.append(tensor)
-        if len({id(t) for t in tensors}) != len(tensors):
-            raise ConfigError(f"{where}['params'] lists the same parameter twice; pass each parameter once.")
-        self._check_group_tensors({**self.defaults, **group}, tensors, where)
-        self._check_sharding({**self.defaults, **group}, tensors, where)
+        named = "param_names" in group or any(name is not None for name in names)
+        refuse_duplicates(self.kind, where, labels, tensors, self.param_groups, named)
+        self._check_group_tensors({**self.defaults, **group}, tensors, where, labels)
+        self._check_sharding({**self.defaults, **group}, tensors, labels)
         self._check_group({**self.defaults, **group, "params": tensors}, len(self.param_groups))
         group["params"] = items
         super().add_param_group(group)
         group.update(LIVE_GROUP_CARRIERS)  # never a saved or user value (see gefen.checkpoint)
         publish_group(self.param_groups, -1, param_group)  # the caller's dict is the group, as in torch
 
-    def _check_sharding(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+    def _check_sharding(self, group: Mapping[str, Any], tensors: list[Tensor], labels: list[str]) -> None:
         """Sharded (DTensor) parameters: FSDP2's layout, one mesh for the whole optimizer, no plain tensors mixed
         in, and no policy that cannot run sharded (see :mod:`gefen.sharding`).
 
@@ -334,10 +336,10 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         sharded_before = any(is_dtensor(p) for p in existing)
         first = self._first_shard(existing)
         for i, tensor in enumerate(tensors):
-            shard = row_shard(tensor, f"{where}['params'][{i}]")
+            shard = row_shard(tensor, labels[i])
             if existing and (shard is not None) != sharded_before:
                 raise ConfigError(
-                    f"{where}['params'][{i}] is {'a DTensor' if shard else 'a plain tensor'} but this "
+                    f"{labels[i]} is {'a DTensor' if shard else 'a plain tensor'} but this "
                     f"{self.kind} already holds {'DTensors' if sharded_before else 'plain tensors'}: one optimizer "
                     "steps either sharded (FSDP2) parameters or plain ones. Shard the whole model with fully_shard, "
                     "or use one optimizer per kind."
@@ -349,7 +351,7 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
             first = first or shard
             if mesh_key(first.mesh) != mesh_key(shard.mesh):
                 raise ConfigError(
-                    f"{where}['params'][{i}] is sharded on another DeviceMesh than this {self.kind}'s other "
+                    f"{labels[i]} is sharded on another DeviceMesh than this {self.kind}'s other "
                     "parameters; all sharded parameters of one optimizer must share one mesh."
                 )
             if self.capturable:
@@ -359,7 +361,7 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
                 )
             if group_backend(group) == "compiled":
                 raise ConfigError(
-                    f"{where}['params'][{i}] is a DTensor; fused=True covers plain tensors only (backend='compiled'; "
+                    f"{labels[i]} is a DTensor; fused=True covers plain tensors only (backend='compiled'; "
                     "sharded parameters run natively on the CPU or eagerly). Pass backend='auto' or 'eager'."
                 )
 
@@ -610,8 +612,11 @@ class GefenOptimizer(DeviceDecisions, torch.optim.Optimizer):
         """Subclass hook: extra per-group validation of a new group (``add_param_group``, with its tensors in
         ``params``), of every group at step time and of every saved group on load (raise ConfigError)."""
 
-    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
-        """Subclass hook: validate a new group's options against its tensors (raise ConfigError)."""
+    def _check_group_tensors(
+        self, group: Mapping[str, Any], tensors: list[Tensor], where: str, labels: list[str]
+    ) -> None:
+        """Subclass hook: validate a new group's options against its tensors (raise ConfigError naming the
+        parameter by ``labels[i]``: its name, when the caller gave one, and its position)."""
 
     def _second_moment_kind(self, param: Tensor, group: Mapping[str, Any]) -> SecondMomentKind:
         raise NotImplementedError

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from gefen.checkpoint_hybrid import HYBRID_HALF_KEY, HYBRID_METADATA_KEY
 from gefen.errors import ConfigError
+from gefen.optim._param_input import read_params
 from gefen.optim.routing import Named, goes_to_muon, split_params_for_muon, validate_split
 
 __all__ = ["HALVES", "GroupSpec", "input_groups", "group_spec", "place_groups", "publish", "same_groups"]
@@ -66,7 +67,8 @@ def input_groups(
 
     Raises:
         TypeError: a single tensor, or items mixing kinds or of another kind.
-        ValueError: a parameter twice, names not unique, a model's trainable parameter missing (see
+        ConfigError: no parameter (an iterator consumed already?), a parameter twice.
+        ValueError: names not unique, a model's trainable parameter missing (see
             :func:`gefen.optim.routing.validate_split`), names on some parameters only.
         ConfigError: a dict whose parameters the rule sends to both halves, an unknown ``hybrid_half``.
     """
@@ -80,15 +82,15 @@ def input_groups(
         validate_split(muon, backup, model_or_params)
         specs = _two_groups(muon, backup, named=True)
         return specs, True, muon, backup, [None] * len(specs)
-    items = list(model_or_params)
-    if items and all(isinstance(item, Tensor) for item in items):
+    items = read_params("GefenMuonHybrid", model_or_params, "the model itself")
+    if all(isinstance(item, Tensor) for item in items):
         numbered = [(f"params[{i}]", t) for i, t in enumerate(items)]
         muon = [(n, t) for n, t in numbered if goes_to_muon("", t, set(), substrings)]
         backup = [(n, t) for n, t in numbered if not goes_to_muon("", t, set(), substrings)]
         validate_split(muon, backup)
         specs = _two_groups(muon, backup, named=False)
         return specs, False, muon, backup, [None] * len(specs)
-    if items and all(isinstance(item, dict) for item in items):
+    if all(isinstance(item, dict) for item in items):
         specs, named, muon, backup = _dict_groups(items, substrings)
         return specs, named, muon, backup, list(items)
     if any(isinstance(item, (Tensor, dict)) for item in items):

@@ -236,7 +236,9 @@ class Gefen(GefenOptimizer):
         for group, (backend, fused) in zip(self.param_groups, live):
             group["backend"], group["fused"] = backend, fused
 
-    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+    def _check_group_tensors(
+        self, group: Mapping[str, Any], tensors: list[Tensor], where: str, labels: list[str]
+    ) -> None:
         backend = group_backend(group)
         if backend == "auto":
             if any(tensor.device.type == "cpu" for tensor in tensors):
@@ -257,12 +259,12 @@ class Gefen(GefenOptimizer):
                 continue
             if backend == "compiled":
                 raise ConfigError(
-                    f"{where}['params'][{i}] is {tensor.dtype} on {tensor.device.type}; fused=True supports "
+                    f"{labels[i]} is {tensor.dtype} on {tensor.device.type}; fused=True supports "
                     "float32/bfloat16/float16 parameters on CPU and CUDA. Pass fused=None to run the others "
                     "on the eager path."
                 )
             raise ConfigError(
-                f"{where}['params'][{i}]: backend={backend!r} cannot step it: {reason}. Pass backend='auto' "
+                f"{labels[i]}: backend={backend!r} cannot step it: {reason}. Pass backend='auto' "
                 f"({backend} where it can, another backend elsewhere) or backend='eager'."
             )
 

@@ -24,6 +24,7 @@ from gefen.math.newton_schulz import (
     normuon_,
     resolve_schedule,
 )
+from gefen.optim._param_input import given_names, param_label
 from gefen.optim.gefen import Gefen
 from gefen.sharding import (
     BlockShard,
@@ -125,6 +126,10 @@ class GefenMuon(Gefen):
     """
 
     kind = "GefenMuon"
+    _module_hint = (
+        "its 2-D hidden weights as (name, tensor) pairs, or use gefen.GefenMuonHybrid(model), which routes the "
+        "embeddings, heads, norms and biases to a backup optimizer"
+    )
     #: Its backends cover the momentum of one parameter at a time: the check stays before the step.
     _checks_finite_in_step = False
     _skips_on_device = False
@@ -187,22 +192,25 @@ class GefenMuon(Gefen):
     def _check_group(self, group: Mapping[str, Any], index: int) -> None:
         where = f"GefenMuon param_groups[{index}]"
         _check_muon_group(group, where)
+        names = given_names(group["params"], group.get("param_names"))
         for i, p in enumerate(group["params"]):
             if isinstance(p, Tensor) and p.dim() != 2:
                 raise ConfigError(
-                    f"{where}['params'][{i}] now has shape {tuple(p.shape)}; GefenMuon steps 2-D matrices only. A "
-                    "wrapper (e.g. DeepSpeed ZeRO) replaced the parameters by flat partitions after the optimizer "
-                    "was built, which Muon cannot orthogonalise; nothing was changed. Use DDP, or gefen.Gefen "
-                    "for ZeRO."
+                    f"{param_label(where, i, names[i])} now has shape {tuple(p.shape)}; GefenMuon steps 2-D matrices "
+                    "only. A wrapper (e.g. DeepSpeed ZeRO) replaced the parameters by flat partitions after the "
+                    "optimizer was built, which Muon cannot orthogonalise; nothing was changed. Use DDP, or "
+                    "gefen.Gefen for ZeRO."
                 )
 
-    def _check_group_tensors(self, group: Mapping[str, Any], tensors: list[Tensor], where: str) -> None:
+    def _check_group_tensors(
+        self, group: Mapping[str, Any], tensors: list[Tensor], where: str, labels: list[str]
+    ) -> None:
         _check_muon_group(group, where)
-        super()._check_group_tensors(group, tensors, where)  # fused=True: dtypes and devices it supports
-        for i, tensor in enumerate(tensors):
+        super()._check_group_tensors(group, tensors, where, labels)  # fused=True: dtypes and devices it supports
+        for label, tensor in zip(labels, tensors):
             if tensor.dim() != 2:
                 raise ConfigError(
-                    f"{where}['params'][{i}] has shape {tuple(tensor.shape)}; GefenMuon optimizes 2-D hidden "
+                    f"{label} has shape {tuple(tensor.shape)}; GefenMuon optimizes 2-D hidden "
                     "weights only. Use gefen.GefenMuonHybrid (Muon for 2-D hidden weights, Gefen or AdamW for "
                     "embeddings, heads, norms, biases and the rest), which also catches flattened 1-D shards."
                 )

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor, nn
 
+from gefen.errors import ConfigError
+
 __all__ = [
     "DEFAULT_BACKUP_SUBSTRINGS",
     "BACKUP_OPTIMIZERS",
@@ -83,10 +85,9 @@ def nothing_for_muon(muon: Named, backup: Named, substrings: Sequence[str], back
     if not reasons:
         reasons.append("no parameter is a 2-D weight")
     return (
-        f"GefenMuonHybrid: no parameter qualifies for Muon (it takes 2-D hidden weights with elements), so all "
-        f"{len(backup)} parameter(s) go to the backup and this is a plain {backup_optimizer} optimizer: "
-        + "; ".join(reasons)
-        + ". Use gefen.Gefen directly if that is intended."
+        "GefenMuonHybrid: no parameter qualifies for Muon (it takes 2-D hidden weights that have at least one "
+        f"element), so all {len(backup)} parameter(s) go to the backup and this is a plain {backup_optimizer} "
+        "optimizer: " + "; ".join(reasons) + ". Use gefen.Gefen directly if that is intended."
     )
 
 
@@ -141,12 +142,13 @@ def validate_split(muon: Named, backup: Named, model: nn.Module | None = None) -
 
     Raises:
         TypeError: an item is not a ``(str, Tensor)`` pair.
-        ValueError: a parameter twice in one list or in both, names not unique (case-insensitive), or a
+        ConfigError: a parameter twice in one list or in both (a ValueError).
+        ValueError: names not unique (case-insensitive), or a
             trainable parameter of ``model`` missing.
 
     Source: algorithm.md §8.1.
     """
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, str]] = {}  # id(tensor) -> (its first name, its half)
     names: dict[str, str] = {}
     for half, items in (("muon", muon), ("backup", backup)):
         for item in items:
@@ -156,11 +158,13 @@ def validate_split(muon: Named, backup: Named, model: nn.Module | None = None) -
             if not isinstance(param, Tensor):
                 raise TypeError(f"{half} item {name!r} holds a {type(param).__name__}, not a tensor")
             if id(param) in seen:
-                where = seen[id(param)]
-                raise ValueError(
-                    f"parameter {name!r} appears twice ({where} and {half}); each parameter belongs to one half"
+                first, where = seen[id(param)]
+                halves = f"both in the {half} half" if where == half else f"one in the {where} half, one in the {half}"
+                raise ConfigError(
+                    f"GefenMuonHybrid: parameter {name!r} is the same tensor as {first!r} ({halves}): the same "
+                    "parameter is listed twice; pass each parameter once."
                 )
-            seen[id(param)] = half
+            seen[id(param)] = (name, half)
             key = name.lower()
             if key in names:
                 raise ValueError(f"parameter name {name!r} is not unique (also {names[key]!r}, case-insensitive)")
