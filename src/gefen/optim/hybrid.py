@@ -43,6 +43,8 @@ from gefen.nonfinite import resolve_nonfinite, skip_message
 from gefen.optim._base import StepSkip, WorkItem, iter_named_params
 from gefen.optim._capture import check_not_inference
 from gefen.optim._hybrid_groups import HALVES, group_spec, input_groups, place_groups, publish, same_groups
+from gefen.optim._hybrid_report import half_state_bytes, hybrid_state_report
+from gefen.optim._param_input import param_label
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 from gefen.optim.routing import (
@@ -499,11 +501,16 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self._sync()
         index = len(self._groups)
         half, spec = group_spec(param_group, index, named=self._named, substrings=self._backup_substrings, owners={})
-        owned = {id(p) for g in self._groups for p in g["params"]}
-        pairs = [item if isinstance(item, tuple) else (f"params[{i}]", item) for i, item in enumerate(spec["params"])]
-        taken = [name for name, p in pairs if id(p) in owned]
-        if taken:
-            raise ConfigError(f"GefenMuonHybrid.add_param_group: {taken[0]} is already in this hybrid.")
+        owned = {id(p): param_label(f"param_groups[{g}]", i, n if self._named else None)
+                 for g, i, p, n in iter_named_params(self._groups)}  # fmt: skip
+        where = f"GefenMuonHybrid param_groups[{index}]"
+        for i, item in enumerate(spec["params"]):
+            name, p = item if isinstance(item, tuple) else (None, item)
+            if id(p) in owned:
+                raise ConfigError(
+                    f"{param_label(where, i, name)} is already in this hybrid as {owned[id(p)]}: a parameter belongs "
+                    "to one param group; remove it from one of them."
+                )
         child = self._halves()[half]
         if child is None:
             child = self._make_child(half, [spec])
@@ -614,6 +621,26 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                 if bad and self.nonfinite == "raise":
                     raise nonfinite_error("GefenMuonHybrid", bad[0], policy_name(self.deterministic))
         return loss, StepSkip(nonfinite=True, names=tuple(bad)) if bad else None
+
+    def state_bytes(self) -> int:
+        """Persistent optimizer state of both halves in bytes, measured from the live tensors: each Gefen half's
+        :meth:`gefen.Gefen.state_bytes` (its codebook included); a torch AdamW backup's per-parameter tensors
+        (``exp_avg``, ``exp_avg_sq``, ``step``). Entries of :attr:`state` that are not parameters are not counted."""
+        self._sync()
+        return sum(half_state_bytes(child) for child in self._halves().values() if child is not None)
+
+    def state_report(self) -> list[dict[str, Any]]:
+        """Per-parameter report, in :attr:`param_groups` order, each parameter once.
+
+        Returns:
+            One dict per parameter with :meth:`gefen.Gefen.state_report`'s keys (``name``, ``shape``, ``numel``,
+            ``period``, ``second_moment``, ``layout``, ``state_bytes``, ``backend``) and ``half`` (``"muon"`` or
+            ``"backup"``). A torch AdamW backup's rows have ``period`` and ``layout`` ``None``,
+            ``second_moment`` ``"elementwise (torch AdamW)"`` and ``backend`` ``"torch"`` once the parameter has
+            state. The rows' ``state_bytes`` add up to :meth:`state_bytes` less the Gefen halves' codebooks.
+        """
+        self._sync()
+        return hybrid_state_report(self._groups, self._halves())
 
     @property
     def skipped_steps(self) -> int:
