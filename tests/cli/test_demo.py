@@ -5,18 +5,23 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from gefen.cli import _optimizers
 from gefen.cli._data import BatchSampler, eval_windows, load_corpus
 from gefen.cli._model import build_model
-from gefen.cli._optimizers import param_groups, state_bytes
-from gefen.cli.demo import _lr_multiplier
+from gefen.cli._optimizers import describe, param_groups, state_bytes
+from gefen.cli.demo import _busy_runs, _lr_multiplier
 from gefen.cli.main import main
+from gefen.kernels.native import NativeStatus
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _LN_256 = math.log(256)
@@ -127,6 +132,8 @@ def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[in
         "peak_rss_bytes": int,
         "compile_time_s": float,
         "total_time_s": float,
+        "load_average_1min_before": (float, type(None)),  # None where the platform has no load average
+        "load_average_1min_after": (float, type(None)),
         "eval_curve": list,
         "train_curve": list,
     }
@@ -291,3 +298,53 @@ def test_state_bytes_counts_every_state_tensor() -> None:
     optimizer.step()
     step_bytes = optimizer.state[param]["step"].numel() * optimizer.state[param]["step"].element_size()
     assert state_bytes(optimizer) == 2 * 15 * 4 + step_bytes
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon-hybrid"])
+def test_describe_names_the_step_backend_that_will_run(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gefen.kernels.native_status", lambda: NativeStatus(True, "", level="avx2"))
+    assert "step backend here: native (avx2)" in describe(name, 1e-3)
+    missing = NativeStatus(False, "the native library is missing (somewhere)")
+    monkeypatch.setattr("gefen.kernels.native_status", lambda: missing)
+    line = describe(name, 1e-3)
+    assert "step backend here: eager" in line and "the native library is missing (somewhere)" in line
+    assert "native (" not in line and "native on CPU)" not in line  # no claim that the native step runs
+    assert _optimizers.OPTIMIZERS[name].description in line
+
+
+def test_busy_runs_warns_only_for_runs_above_the_cores() -> None:
+    results = {
+        "adamw": {"_load_before": 0.4, "_load_after": 2.3},  # its own 2 threads on 2 cores: not busy
+        "gefen": {"_load_before": 1.9, "_load_after": 4.1},
+        "adafactor": {"_load_before": None, "_load_after": None},  # no load average on this platform
+    }
+    lines = _busy_runs(results, cores=2)
+    assert len(lines) == 1 and lines[0].startswith("warning: the machine was busy during gefen's run")
+    assert "1.90 before, 4.10 after, on 2 core(s)" in lines[0] and "not comparable" in lines[0]
+    assert _busy_runs(results, cores=8) == []
+
+
+_DEMO_SCRIPT = "import sys; from gefen.cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.slow
+def test_demo_without_the_native_library_says_so_in_the_header_and_warns_once(text_dir: Path) -> None:
+    env = {
+        **os.environ,
+        "GEFEN_NATIVE_LIB": "/nonexistent/libgefen_kernels.so",  # as an install without a C compiler
+        "PYTHONPATH": str(Path(importlib.import_module("gefen").__file__).parents[1]),  # this gefen, in the child too
+    }
+    fast = [*_FAST]
+    fast[fast.index("--steps") + 1] = "3"
+    result = subprocess.run(
+        [sys.executable, "-c", _DEMO_SCRIPT, "demo", "--optimizers", "gefen", "--data", str(text_dir), *fast],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    header = next(line for line in result.stdout.splitlines() if line.startswith("[gefen] gefen.Gefen"))
+    assert "step backend here: eager" in header and "GEFEN_NATIVE_LIB=/nonexistent" in header, header
+    assert result.stderr.count("the native backend is unavailable") == 1, result.stderr[-4000:]
+    assert "train step ms*" in result.stdout and "measured in sequential runs" in result.stdout

@@ -254,7 +254,7 @@ def _registry() -> dict[str, OptimizerSpec]:
             "gefen",
             _gefen,
             1e-3,
-            f"gefen.Gefen (~1 byte/param of state; default backend: native on CPU), betas={BETAS}",
+            f"gefen.Gefen (~1 byte/param of state; backend='auto': native on CPU where built), betas={BETAS}",
         ),
         OptimizerSpec(
             "gefen-eager", _gefen_eager, 1e-3, f"gefen.Gefen(backend='eager'): the torch reference step, betas={BETAS}"
@@ -281,23 +281,34 @@ def _registry() -> dict[str, OptimizerSpec]:
 OPTIMIZERS: dict[str, OptimizerSpec] = _registry()
 
 
+def _cpu_step_backend() -> str:
+    """The step the default (``backend="auto"``) Gefen optimizers run on the CPU here, from
+    :func:`gefen.kernels.native_status`: the native library and its CPU level, or the eager step and why."""
+    from gefen.kernels import native_status
+
+    status = native_status()
+    if status.available:
+        return f"step backend here: native ({status.level})"
+    return f"step backend here: eager (slower; same results), the native one is unavailable: {status.reason}"
+
+
 def describe(name: str, lr: float) -> str:
     """Return the one-line description of ``name`` run at peak ``lr``, with run-time facts (fused or not,
-    Adafactor's scaled weight decay)."""
+    Adafactor's scaled weight decay, the step backend the Gefen optimizers will run here)."""
     if name == "adamw":
         return _adamw_description()
+    parts = [OPTIMIZERS[name].description]
     if name in ("gefen-muon-hybrid", "torch-muon-hybrid"):
         from gefen.math.newton_schulz import bf16_gemm_is_native
 
         if not bf16_gemm_is_native(torch.device("cpu")):
-            return (
-                f"{OPTIMIZERS[name].description}; Newton–Schulz GEMMs in fp32 on bf16 values (this CPU has no bf16 "
-                "matrix instructions)"
-            )
+            parts.append("Newton–Schulz GEMMs in fp32 on bf16 values (this CPU has no bf16 matrix instructions)")
+    if name in ("gefen", "gefen-muon-hybrid"):
+        parts.append(_cpu_step_backend())
     if name == "adafactor":
         weight_decay = _adafactor_weight_decay(lr)
-        return f"{OPTIMIZERS[name].description}; weight_decay={weight_decay:.3g} (= 0.1 x {_ADAMW_LR:g} / lr)"
-    return OPTIMIZERS[name].description
+        parts.append(f"weight_decay={weight_decay:.3g} (= 0.1 x {_ADAMW_LR:g} / lr)")
+    return "; ".join(parts)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

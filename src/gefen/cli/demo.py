@@ -28,10 +28,17 @@ Reported per optimizer (the JSON keys carry units):
 * ``compile_time_s``: seconds spent compiling fused step kernels (``gefen``'s default path; 0 for the others
   and with ``GEFEN_FUSED=0``), part of the first ``step()``;
 * ``total_time_s``: wall time of that optimizer's whole training and evaluation loop, compilation included;
+* ``load_average_1min_before`` / ``load_average_1min_after``: the machine's 1-minute load average
+  (``os.getloadavg()``, runnable threads of every process) just before and just after that optimizer's run
+  (``null`` where the platform has none);
 * ``eval_curve`` / ``train_curve``: ``[[step, loss], ...]``; eval at step 0, every ``--eval-every`` steps
   and at the last step; train at every step (the loss of the batch before that step's update).
 
 A run whose training loss becomes non-finite stops there; its losses are reported as NaN (``null`` in JSON).
+
+The optimizers run one after another, not interleaved: other processes' load during one run slows that run
+only. The table says so, and the command warns, naming the run, when the load average before or after a run
+exceeded the machine's cores by more than :data:`_BUSY_MARGIN` (its step times are then not comparable).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import concurrent.futures
 import json
 import math
 import multiprocessing
+import os
 import re
 import statistics
 import sys
@@ -61,6 +69,9 @@ _EVAL_CHUNK = 32
 _CLIP_NORM = 1.0
 _MIN_LR_RATIO = 0.1
 _DEFAULT_OPTIMIZERS = "adamw,gefen"
+#: A run counts as disturbed when the 1-minute load average passed the machine's cores by more than this (the run's
+#: own threads count in it, so a run with as many threads as cores on an idle machine stays at about the cores).
+_BUSY_MARGIN = 0.5
 #: ``[step, loss]`` pairs as ``json.dumps(indent=1)`` spreads them over four lines; folded back onto one.
 _CURVE_POINT = re.compile(r"\[\s+(\d+),\s+([^\s\[\]]+)\s+\]")
 
@@ -301,6 +312,35 @@ def _train_one(job: _Job) -> dict[str, Any]:
     }
 
 
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (``os.getloadavg()[0]``), or ``None`` where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _busy_runs(results: dict[str, dict[str, Any]], cores: int) -> list[str]:
+    """One warning line per run whose load average before or after it exceeded ``cores + _BUSY_MARGIN``.
+
+    Args:
+        results: per optimizer, its result with ``_load_before`` / ``_load_after`` (floats or ``None``).
+        cores: the machine's CPU cores (``os.cpu_count()``; the load average counts every process on it).
+    """
+    lines = []
+    for name, result in results.items():
+        before, after = result["_load_before"], result["_load_after"]
+        loads = [load for load in (before, after) if load is not None]
+        if loads and max(loads) > cores + _BUSY_MARGIN:
+            shown = " before, ".join("n/a" if load is None else f"{load:.2f}" for load in (before, after))
+            lines.append(
+                f"warning: the machine was busy during {name}'s run (1-minute load average {shown} after, on "
+                f"{cores} core(s)): its step times are inflated by other processes and not comparable with the "
+                "other runs'; rerun on a quiet machine to compare speed (losses and state bytes are unaffected)."
+            )
+    return lines
+
+
 def _run_in_fresh_process(job: _Job) -> dict[str, Any]:
     """Run :func:`_train_one` in a new spawned process so its RSS and timings are its own."""
     context = multiprocessing.get_context("spawn")
@@ -315,8 +355,8 @@ def _format_table(results: dict[str, dict[str, Any]]) -> str:
         "eval loss",
         "train loss",
         "state B/param",
-        "opt.step ms",
-        "train step ms",
+        "opt.step ms*",
+        "train step ms*",
         "peak RSS MiB",
     ]
     baseline = results.get("adamw", {}).get("eval_loss")
@@ -373,6 +413,8 @@ def _report(
             "peak_rss_bytes": int(result["peak_rss_bytes"]),
             "compile_time_s": float(result.get("compile_time_s", 0.0)),
             "total_time_s": float(result.get("total_time_s", float("nan"))),
+            "load_average_1min_before": result.get("_load_before"),
+            "load_average_1min_after": result.get("_load_after"),
             "eval_curve": [[int(s), _finite_or_none(v)] for s, v in result["eval_curve"]],
             "train_curve": [[int(s), _finite_or_none(v)] for s, v in result["train_curve"]],
         }
@@ -502,9 +544,10 @@ def _run(args: argparse.Namespace) -> int:
             train_bytes=train_bytes,
             eval_bytes=eval_bytes,
         )
-        started = time.perf_counter()
+        started, load_before = time.perf_counter(), _load_average()
         try:
             results[name] = _run_in_fresh_process(job)
+            results[name].update(_load_before=load_before, _load_after=_load_average())
         except Exception as error:  # the child's exception, re-raised here with its traceback attached
             traceback.print_exception(error, file=sys.stderr)
             print(f"gefen demo: error: training with {name!r} failed: {type(error).__name__}: {error}", file=sys.stderr)
@@ -518,6 +561,8 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(_format_table(results))
     _print_ratios(results)
+    for line in _busy_runs(results, os.cpu_count() or 1):
+        print(line)
     if args.json is not None:
         settings = {
             key: getattr(args, key)
@@ -541,7 +586,9 @@ def _run(args: argparse.Namespace) -> int:
 def _print_ratios(results: dict[str, dict[str, Any]]) -> None:
     print(
         "\neval loss: nats/byte on held-out files after the last step; train loss: mean of the last "
-        "10% of steps; times are medians; state B/param from optimizer state after training."
+        "10% of steps; state B/param from optimizer state after training.\n"
+        "* times are medians over steps, measured in sequential runs (one optimizer after another, each in its own "
+        "process, not interleaved): load from other processes during one run slows that run only."
     )
     if "gefen" in results and "adamw" in results:
         ratio = results["gefen"]["eval_loss"] / results["adamw"]["eval_loss"]  # NaN if either diverged
