@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from gefen.kernels.fused import (
     fused_factored_update_,
     fused_momentum_,
     kernel_grad,
+    register_fma,
 )
 from gefen.kernels.scalars import APPLY, COMPILED_LAYOUT, as_float32, lerp_high
 
@@ -96,13 +98,35 @@ _HOST_STEP_REASON = (
 )
 
 
-def host_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a ``capturable=False`` step as never traced by ``torch.compile`` (``torch.compiler.disable``, with
-    the reason shown in dynamo's message where this torch supports one): under ``torch.compile(opt.step)`` it
-    runs as is, its own compiled kernels included; under ``fullgraph=True`` dynamo refuses it before it runs."""
+def _disable_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     if "reason" in inspect.signature(torch.compiler.disable).parameters:
         return torch.compiler.disable(fn, reason=_HOST_STEP_REASON)
     return torch.compiler.disable(fn)
+
+
+def host_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``capturable=False`` step as never traced by ``torch.compile`` (``torch.compiler.disable``, with
+    the reason shown in dynamo's message where this torch supports one): under ``torch.compile(opt.step)`` it
+    runs as is, its own compiled kernels included; under ``fullgraph=True`` dynamo refuses it before it runs.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (~1.5 s), so it is applied on the first call made once
+    dynamo is loaded, not at ``import gefen``: before that nothing can trace the step and ``fn`` runs as is. A
+    first call that dynamo traces (the step compiled before it ever ran) breaks the graph with the same reason.
+    """
+    disabled: list[Callable[..., Any]] = []  # the torch.compiler.disable'd fn, once made
+
+    @functools.wraps(fn)
+    def host_step(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            if torch.compiler.is_compiling():
+                # where graph_break takes no msg (older torch), dynamo refuses the call with its own message
+                torch._dynamo.graph_break(msg=_HOST_STEP_REASON)
+            elif "torch._dynamo" not in sys.modules:  # no eval-frame hook can be set: nothing to disable
+                return fn(*args, **kwargs)
+            disabled.append(_disable_dynamo(fn))
+        return disabled[0](*args, **kwargs)
+
+    return host_step
 
 
 @functools.cache
@@ -267,6 +291,7 @@ class StepKernels:
 
         def compile_one(fn: Callable[..., Any], options: dict[str, object]) -> Callable[..., Any]:
             options = {**options, "deterministic": True} if signature.deterministic else dict(options)
+            register_fma()  # before tracing, so that no graph traces the import
             return torch.compile(_own_code_object(fn, tag), fullgraph=True, dynamic=False, options=options)
 
         if signature.kind == "block":

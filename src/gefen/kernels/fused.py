@@ -22,7 +22,6 @@ reaches the state).
 from __future__ import annotations
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.fma)
 from torch import Tensor
 
 from gefen.kernels.scalars import APPLY
@@ -31,6 +30,7 @@ from gefen.math.moments import FLOAT32_TINY
 from gefen.state import ParamState
 
 __all__ = [
+    "register_fma",
     "write_param_",
     "lookup_table_as_float",
     "nearest_code_lut",
@@ -43,7 +43,27 @@ __all__ = [
     "kernel_grad",
 ]
 
-_fma = torch.ops.prims.fma
+#: Whether ``torch.ops.prims.fma`` is registered (by ``torch._inductor.inductor_prims``, see :func:`_fma`).
+_FMA_REGISTERED = False
+
+
+def register_fma() -> None:
+    """Register ``torch.ops.prims.fma`` (idempotent). Importing the inductor module that defines it pulls in all
+    of ``torch._inductor`` and ``torch._dynamo`` (~1.5 s on CPU), so it happens before the first compilation or
+    fused step, not at ``import gefen``."""
+    global _FMA_REGISTERED
+    import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.fma)
+
+    _FMA_REGISTERED = True
+
+
+def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """``a * b + c`` as ``torch.ops.prims.fma``: one rounding where inductor compiles it (eager prims.fma rounds
+    the product first). Registers the op on first use; under ``torch.compile`` dynamo traces that import once
+    (a compiled kernel guards on the flag, so it never re-runs)."""
+    if not _FMA_REGISTERED:
+        register_fma()
+    return torch.ops.prims.fma(a, b, c)
 
 
 def kernel_grad(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
