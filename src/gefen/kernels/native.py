@@ -304,7 +304,29 @@ def error_codes() -> dict[str, int]:
 
 
 def native_status() -> NativeStatus:
-    """Load the library once and report whether the native backend is available (never raises)."""
+    """Whether the native C backend runs in this process, at which CPU level, and why not when it does not.
+
+    The CPU default (``backend="auto"``) steps every fp32/bf16/fp16 CPU parameter with this library when it is
+    available; otherwise those parameters take the eager step (same results, slower) and the optimizer warns
+    once, at its first step. Which backend actually ran each parameter's latest step is the ``"backend"``
+    entry of ``optimizer.state_report()``.
+
+    The library is loaded (and checked: ABI version, record layout, return codes) on the first call and the
+    answer is cached for the process, so ``GEFEN_NATIVE=0`` and ``GEFEN_NATIVE_LIB`` must be set before it.
+
+    Returns:
+        :class:`NativeStatus`: ``available`` (bool); ``reason`` (str, empty when available: e.g. "the native
+        library is missing (...)", "disabled by GEFEN_NATIVE=0", an ABI mismatch); ``level`` (the CPU path,
+        ``"avx512vbmi"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``; empty when unavailable); ``threaded``
+        (bool: it runs on torch's OpenMP threads); ``path`` (str: the library file, empty when none was found).
+        Never raises.
+
+    Example:
+        >>> import gefen
+        >>> status = gefen.native_status()
+        >>> status.available == (status.reason == "")
+        True
+    """
     return _load()[1]
 
 
