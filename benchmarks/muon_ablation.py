@@ -135,7 +135,8 @@ def build(config: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         ValueError: an unknown configuration.
     """
     from gefen import GefenMuonHybrid, split_params_for_muon
-    from gefen.cli._optimizers import OPTIMIZERS, _Pair
+    from gefen.cli._optimizers import OPTIMIZERS
+    from gefen.cli._pair import OptimizerPair
 
     if config == "torch":
         return OPTIMIZERS["torch-muon-hybrid"].factory(model, lr)
@@ -145,7 +146,7 @@ def build(config: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
             [p for _, p in muon], lr, _WEIGHT_DECAY, ns_schedule="tuned3", normuon=config == "+normuon"
         )
         second = torch.optim.AdamW([p for _, p in backup], lr=lr, betas=_BETAS, weight_decay=0.0)
-        return _Pair(first, second)
+        return OptimizerPair(first, second)
     if config in ("+8bit", "+gefen-backup", "+standard", "-normuon", "+original-lr"):
         return GefenMuonHybrid(
             model,

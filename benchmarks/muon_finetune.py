@@ -64,7 +64,8 @@ def _decay_groups(named: Sequence[tuple[str, torch.nn.Parameter]], wd: float) ->
 
 def _optimizer(opts: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
     import gefen
-    from gefen.cli._optimizers import _Pair, torch_muon_gemms_in_fp32
+    from gefen.cli._optimizers import torch_muon_gemms_in_fp32
+    from gefen.cli._pair import OptimizerPair
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     substrings = (*gefen.DEFAULT_BACKUP_SUBSTRINGS, *(("pooler",) if opts.backup_pooler else ()))
@@ -75,7 +76,7 @@ def _optimizer(opts: argparse.Namespace, model: torch.nn.Module) -> torch.optim.
         torch_muon_gemms_in_fp32()
         muon, backup = gefen.split_params_for_muon(model, substrings)
         first = torch.optim.Muon([p for _, p in muon], lr=muon_lr, weight_decay=opts.wd, adjust_lr_fn=opts.adjust)
-        return _Pair(first, torch.optim.AdamW(_decay_groups(backup, opts.wd), lr=opts.lr))
+        return OptimizerPair(first, torch.optim.AdamW(_decay_groups(backup, opts.wd), lr=opts.lr))
     return gefen.GefenMuonHybrid(
         model,
         lr=muon_lr,

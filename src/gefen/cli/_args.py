@@ -35,7 +35,7 @@ def add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:
             ``data`` (a path or ``None`` for the standard library's ``.py`` files). Range checks are the
             command's.
     """
-    from gefen.cli._model import MODEL_SIZES
+    from gefen.cli._model_config import MODEL_SIZES
 
     add = parser.add_argument
     add("--batch-size", type=int, default=16, help="sequences per batch (default: %(default)s)")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from gefen.cli._optimizers import BETAS, OPTIMIZERS, WEIGHT_DECAY, OptimizerSpec, param_groups
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["CAPACITY_OPTIMIZERS", "CapacityOptimizer", "available", "default_names"]
 

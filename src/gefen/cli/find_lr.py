@@ -74,15 +74,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         the ``find-lr`` parser; ``args.func`` is set to :func:`run`.
     """
     from gefen.cli._optimizers import OPTIMIZERS
-    from gefen.lr_finder import RULE
 
     parser = subparsers.add_parser(
         "find-lr",
         help="LR range test on the demo model: loss against an exponentially growing lr, and a recommended lr",
         description=(
             "Train a copy of the demo model with one optimizer while the lr grows exponentially from --lr-min "
-            "to --lr-max, print and plot the loss against the lr, and recommend an lr: the "
-            f"{RULE}. --compare-adamw runs AdamW on the same weights and batches and prints the ratio."
+            "to --lr-max, print and plot the loss against the lr, and recommend an lr by the rule of "
+            "gefen.lr_finder.RULE (printed with the result; docs/find_lr.md). --compare-adamw runs AdamW on the same "
+            "weights and batches and prints the ratio."
         ),
     )
     add = parser.add_argument

@@ -24,11 +24,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gefen.checkpoint import SCHEMA_VERSION
 from gefen.cli._args import PIP_HINT, output_problem
-from gefen.inspect import CheckpointReport, HalfReport, inspect_state_dict
+
+if TYPE_CHECKING:  # torch-backed; imported where used, so that `gefen --help` loads no torch
+    from gefen.inspect import CheckpointReport, HalfReport
 
 __all__ = ["add_parser", "run", "report_json", "report_text", "TRAINER_OPTIMIZER_FILE"]
 
@@ -107,6 +108,8 @@ def _check_plot(path_text: str | None) -> None:
 def _load(path: Path) -> CheckpointReport:
     """Read ``path`` as a resume would and inspect it; an unreadable file is a problem of the report."""
     import torch
+
+    from gefen.inspect import CheckpointReport, inspect_state_dict
 
     try:
         state_dict = torch.load(path, weights_only=True, map_location="cpu")
@@ -187,6 +190,8 @@ def report_json(report: CheckpointReport, checkpoint: Path | None, plot: str | N
     else the Gefen half's; ``periods`` (keys: period as a string) and ``second_moment_kinds`` are summed;
     ``state_bytes`` is in bytes, ``state_bytes_per_param`` in bytes per parameter element (``None`` without state).
     """
+    from gefen.checkpoint import SCHEMA_VERSION
+
     gefen_halves = [h for h in report.halves if h.gefen_layout]
     problems = report.all_problems
     return {
@@ -230,6 +235,8 @@ def _shown(value: Any) -> str:
 
 
 def _half_lines(half: HalfReport, hybrid: bool = False) -> list[str]:
+    from gefen.checkpoint import SCHEMA_VERSION
+
     rows: list[tuple[str, str]] = []
     if half.gefen_layout:
         rows += [
