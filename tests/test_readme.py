@@ -22,37 +22,53 @@ IN_CHECKOUT = (ROOT / ".ci" / "run").is_file()
 
 #: Verbatim README command -> the runners that exercise it (at the README's size or a smaller one).
 COMMANDS: dict[str, list[str]] = {
-    "bash scripts/demo.sh": ["scripts/setup.sh", ".ci/run", "tests/cli/test_demo.py::test_demo_runs_gefen",
-                             "tests/test_readme.py::test_demo_script_is_setup_then_gefen_demo"],
-    "bash scripts/demo.sh --steps 50 --plot demo.png": ["tests/cli/test_demo.py::test_demo_plot_is_a_png",
-                                                         "tests/test_readme.py::test_demo_script_is_setup_then_gefen_demo"],
+    "bash scripts/demo.sh": [
+        "scripts/setup.sh",
+        ".ci/run",
+        "tests/cli/test_demo.py::test_demo_runs_gefen",
+        "tests/test_readme.py::test_demo_script_is_setup_then_gefen_demo",
+    ],
+    "bash scripts/demo.sh --steps 50 --plot demo.png": [
+        "tests/cli/test_demo.py::test_demo_plot_is_a_png",
+        "tests/test_readme.py::test_demo_script_is_setup_then_gefen_demo",
+    ],
     "bash scripts/test.sh": [".ci/run"],
     "bash scripts/setup.sh demo": ["scripts/setup.sh", ".ci/run"],
     'pip install -c constraints.txt -e ".[demo,test,hf]"': ["scripts/setup.sh", ".ci/run"],
     "pip install gefen[hf]": ["scripts/release_check.sh"],  # installs the wheel with its extras
-    "gefen inspect run/optimizer.pt": ["tests/cli/test_inspect.py::test_inspect_text_report_of_a_good_checkpoint",
-                                       "tests/cli/test_inspect.py::test_inspect_reads_trainer_folder"],
+    "gefen inspect run/optimizer.pt": [
+        "tests/cli/test_inspect.py::test_inspect_text_report_of_a_good_checkpoint",
+        "tests/cli/test_inspect.py::test_inspect_reads_trainer_folder",
+    ],
     "gefen inspect run/optimizer.pt --json": [
-        "tests/cli/test_inspect.py::test_inspect_accepts_gefen_checkpoint_with_live_values"],
+        "tests/cli/test_inspect.py::test_inspect_accepts_gefen_checkpoint_with_live_values"
+    ],
     "torchrun --nproc-per-node 2 examples/ddp_train.py": [
-        "tests/distributed/test_ddp.py::test_ddp_example_runs_with_torchrun"],
+        "tests/distributed/test_ddp.py::test_ddp_example_runs_with_torchrun"
+    ],
     "torchrun --nproc-per-node 2 examples/fsdp2_train.py --save ckpt.pt": [
-        "tests/distributed/test_fsdp2.py::test_fsdp2_example_trains_saves_and_resumes_on_another_world_size"],
+        "tests/distributed/test_fsdp2.py::test_fsdp2_example_trains_saves_and_resumes_on_another_world_size"
+    ],
     "torchrun --nproc-per-node 3 examples/fsdp2_train.py --resume ckpt.pt": [
-        "tests/distributed/test_fsdp2.py::test_fsdp2_example_trains_saves_and_resumes_on_another_world_size"],
+        "tests/distributed/test_fsdp2.py::test_fsdp2_example_trains_saves_and_resumes_on_another_world_size"
+    ],
     "gefen find-lr": ["tests/cli/test_find_lr.py::test_cli_compare_adamw_writes_sane_json_and_plot"],
     "gefen demo --json out.json --plot demo.png": [
         "tests/cli/test_demo.py::test_demo_json_has_documented_keys_and_sane_values",
-        "tests/cli/test_demo.py::test_demo_plot_is_a_png"],
+        "tests/cli/test_demo.py::test_demo_plot_is_a_png",
+    ],
     "gefen demo": ["tests/cli/test_demo.py::test_demo_runs_gefen"],
     "gefen capacity": ["tests/cli/test_capacity.py::test_command_end_to_end_on_a_small_budget"],
     "gefen demo --optimizers adamw,gefen-muon-hybrid,torch-muon-hybrid --seed 1": [
-        "tests/cli/test_demo.py::test_demo_same_seed_gives_identical_losses"],
+        "tests/cli/test_demo.py::test_demo_same_seed_gives_identical_losses"
+    ],
     "gefen demo --help": ["tests/test_readme.py::test_gefen_demo_help"],
     "gefen capacity --budget-gib 1 2 4 8 --json capacity.json --plot capacity.png": [
-        "tests/cli/test_capacity.py::test_command_end_to_end_on_a_small_budget"],
+        "tests/cli/test_capacity.py::test_command_end_to_end_on_a_small_budget"
+    ],
     "gefen capacity --budget-gib 8 --json cap.json": [
-        "tests/cli/test_capacity.py::test_command_end_to_end_on_a_small_budget"],
+        "tests/cli/test_capacity.py::test_command_end_to_end_on_a_small_budget"
+    ],
     "gefen capacity --device cuda --budget-gib 16 40 80": ["scripts/gpu_check.sh"],
     "gefen capacity --device cuda": ["scripts/gpu_check.sh"],
     "bash scripts/release_check.sh": [".ci/run"],
@@ -62,7 +78,8 @@ COMMANDS: dict[str, list[str]] = {
 PYTHON_ELSEWHERE: dict[str, list[str]] = {
     "from transformers import Trainer, TrainingArguments": [
         "tests/integrations/test_transformers.py::test_trainer_trains_with_bf16_accumulation_and_warmup",
-        "tests/integrations/test_transformers.py::test_trainer_resume_from_checkpoint_is_bit_identical"],
+        "tests/integrations/test_transformers.py::test_trainer_resume_from_checkpoint_is_bit_identical",
+    ],
 }
 
 _COMMAND_WORDS = ("bash ", "gefen ", "torchrun ", "pip ", "python ", "python3 ")
@@ -132,6 +149,9 @@ def test_demo_script_is_setup_then_gefen_demo() -> None:
         return  # the gate's copy has no scripts/demo.sh (checked in every checkout run)
     lines = [line for line in (ROOT / "scripts/demo.sh").read_text().splitlines() if line and line[0] not in "#"]
     assert any(line.startswith("bash scripts/setup.sh") for line in lines)
+    # The start-up the demo reports counts from the script's first line, set-up included.
+    setup = next(i for i, line in enumerate(lines) if line.startswith("bash scripts/setup.sh"))
+    assert lines.index('GEFEN_DEMO_LAUNCHED_AT="$(date +%s.%N)"') < setup
     assert '.venv/bin/gefen demo "$@"' in lines
 
 

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from gefen.cli import _optimizers
 from gefen.cli._data import BatchSampler, eval_windows, load_corpus
 from gefen.cli._model import build_model
 from gefen.cli._optimizers import describe, param_groups, state_bytes
-from gefen.cli.demo import _busy_runs, _lr_multiplier
+from gefen.cli.demo import LAUNCH_ENV, _busy_runs, _fresh_process, _lr_multiplier, _process_start_unix_s
 from gefen.cli.main import main
 from gefen.kernels.native import NativeStatus
 
@@ -93,7 +94,14 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torch_peers_run(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> tuple[int, dict, Path]:
     out = tmp_path_factory.mktemp("out")
     json_path, plot_path = out / "demo.json", out / "demo.png"
-    code = main(
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(LAUNCH_ENV, raising=False)  # start-up counts from this (pytest) process's start
+        code = _run_torch_peers(text_dir, json_path, plot_path)
+    return code, json.loads(json_path.read_text()), plot_path
+
+
+def _run_torch_peers(text_dir: Path, json_path: Path, plot_path: Path) -> int:
+    return main(
         [
             "demo",
             "--optimizers",
@@ -107,14 +115,16 @@ def torch_peers_run(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) ->
             str(plot_path),
         ]
     )
-    return code, json.loads(json_path.read_text()), plot_path
 
 
 @pytest.mark.slow
 def test_demo_json_has_documented_keys_and_sane_values(torch_peers_run: tuple[int, dict, Path]) -> None:
     code, report, _ = torch_peers_run
     assert code == 0
-    assert set(report) == {"steps", "model_params", "data", "optimizers", "settings"}
+    assert set(report) == {"steps", "model_params", "data", "optimizers", "settings", "start_up"}
+    # The first training step came after this pytest process started (the launch without scripts/demo.sh).
+    assert report["start_up"]["since"] == "the gefen process started"
+    assert 0 < report["start_up"]["seconds"] < time.time() - _process_start_unix_s() + 0.05
     assert report["settings"]["model_size"] == "tiny" and report["settings"]["seq_len"] > 0
     assert report["steps"] == 30
     assert report["model_params"] == sum(p.numel() for p in build_model("tiny", 32, 0).parameters())
@@ -336,6 +346,8 @@ def test_demo_without_the_native_library_says_so_in_the_header_and_warns_once(te
     }
     fast = [*_FAST]
     fast[fast.index("--steps") + 1] = "3"
+    launched_at = time.time() - 1.0  # as scripts/demo.sh would say, a second before the command
+    env[LAUNCH_ENV] = f"{launched_at:.6f}"
     result = subprocess.run(
         [sys.executable, "-c", _DEMO_SCRIPT, "demo", "--optimizers", "gefen", "--data", str(text_dir), *fast],
         env=env,
@@ -343,8 +355,57 @@ def test_demo_without_the_native_library_says_so_in_the_header_and_warns_once(te
         text=True,
         timeout=300,
     )
+    finished = time.time()
     assert result.returncode == 0, result.stderr[-4000:]
     header = next(line for line in result.stdout.splitlines() if line.startswith("[gefen] gefen.Gefen"))
     assert "step backend here: eager" in header and "GEFEN_NATIVE_LIB=/nonexistent" in header, header
     assert result.stderr.count("the native backend is unavailable") == 1, result.stderr[-4000:]
     assert "train step ms*" in result.stdout and "measured in sequential runs" in result.stdout
+    # The launch time exported by scripts/demo.sh is the start-up's origin: the first step came after it,
+    # and before the command ended.
+    line = next(line for line in result.stdout.splitlines() if "first training step began" in line)
+    match = re.fullmatch(r"\[gefen\] its first training step began (\d+\.\d) s after scripts/demo.sh started .*", line)
+    assert match is not None, line
+    assert 1.0 < float(match[1]) < finished - launched_at, (line, finished - launched_at)
+
+
+def test_process_start_is_when_the_process_began() -> None:
+    before = time.time()
+    script = "import time; now = time.time(); from gefen.cli.demo import _process_start_unix_s as s; print(now, s())"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    child_now, child_start = map(float, result.stdout.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= child_start <= child_now + 2 * tick, (before, child_start, child_now)
+
+
+def test_launch_counts_from_the_script_when_it_says_when_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gefen.cli.demo as demo
+
+    monkeypatch.setattr(demo, "_process_start_unix_s", lambda: 1000.5)
+    monkeypatch.setenv(LAUNCH_ENV, "1765000000.123456789")
+    assert demo._launch() == (1765000000.123456789, "scripts/demo.sh started")
+    for unusable in ("", "1765000000.N", "nan", "-3", str(time.time() + 3600)):  # no %N, garbage, the future
+        monkeypatch.setenv(LAUNCH_ENV, unusable)
+        assert demo._launch() == (1000.5, "the gefen process started"), unusable
+    monkeypatch.setattr(demo, "_process_start_unix_s", lambda: None)
+    assert demo._launch() is None
+
+
+def test_fused_adamw_check_agrees_with_a_real_fused_step() -> None:
+    # The list torch checks AdamW(fused=True) against, and one fused step on this build: the same answer.
+    assert _optimizers._fused_adamw_on_cpu() is _optimizers._fused_adamw_probe()
+
+
+@pytest.mark.slow
+def test_demo_parent_builds_no_optimizer_and_its_children_import_before_the_job() -> None:
+    # The parent's descriptions load no torch._dynamo (building any optimizer would: 1-2 s before training).
+    script = (
+        "import sys; from gefen.cli._optimizers import OPTIMIZERS, describe; "
+        "[describe(name, spec.lr) for name, spec in OPTIMIZERS.items()]; print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]
+    # A training process runs its warm-up (torch, gefen, torch._dynamo) first, before any job it is given.
+    with _fresh_process() as pool:
+        loaded = pool.submit(eval, "[m in __import__('sys').modules for m in ('torch._dynamo', 'gefen.optim.gefen')]")
+        assert loaded.result(timeout=300) == [True, True]

@@ -32,10 +32,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where it is used: `gefen --help` and the demo's parent start without it
+    import torch
+    from torch import nn
 
 __all__ = [
     "BETAS",
@@ -83,6 +84,8 @@ def param_groups(model: nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[d
         {"params": [(name, p), ...], "weight_decay": 0.0}]``; the first holds every parameter with
         ``ndim >= 2`` that is not an embedding table, the second everything else. Empty groups are omitted.
     """
+    from torch import nn
+
     embeddings = {
         f"{module_name}.{param_name}" if module_name else param_name
         for module_name, module in model.named_modules()
@@ -104,7 +107,23 @@ def param_groups(model: nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[d
 
 @functools.cache
 def _fused_adamw_on_cpu() -> bool:
-    """Whether this torch build runs ``AdamW(fused=True)`` on CPU (probed once on a 1-element tensor)."""
+    """Whether this torch build runs ``AdamW(fused=True)`` on CPU.
+
+    torch's own list of devices with fused kernels, the list ``AdamW(fused=True)`` checks its parameters
+    against; it costs nothing, where building an optimizer imports ``torch._dynamo`` (1-2 s, paid again by each
+    demo process). A torch without that (private) list is probed on a 1-element tensor instead.
+    """
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return _fused_adamw_probe()
+    return "cpu" in _get_fused_kernels_supported_devices()
+
+
+def _fused_adamw_probe() -> bool:
+    """Whether one ``AdamW(fused=True)`` step on a 1-element CPU tensor runs."""
+    import torch
+
     probe = torch.zeros(1, requires_grad=True)
     probe.grad = torch.ones(1)
     try:
@@ -115,12 +134,16 @@ def _fused_adamw_on_cpu() -> bool:
 
 
 def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     if _fused_adamw_on_cpu():
         return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, fused=True)
     return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, foreach=False)
 
 
 def _adamw_foreach(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     return torch.optim.AdamW(param_groups(model), lr=lr, betas=BETAS, foreach=True)
 
 
@@ -129,6 +152,8 @@ def _adafactor_weight_decay(lr: float) -> float:
 
 
 def _adafactor(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     # torch's Adafactor decays p <- p * (1 - lr * wd) with its own, much larger lr; scale wd so the
     # per-step shrink equals AdamW's at AdamW's recommended lr (see the module docstring).
     weight_decay = _adafactor_weight_decay(lr)
@@ -160,38 +185,6 @@ def _gefen_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     )
 
 
-class _Pair(torch.optim.Optimizer):
-    """Two torch optimizers stepped as one (the ``torch-muon-hybrid`` peer): groups, state and steps of both."""
-
-    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
-        self.children = (first, second)
-        self.defaults = first.defaults
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                      "load_state_dict_post"):  # fmt: skip
-            setattr(self, f"_optimizer_{hooks}_hooks", {})
-        self._zero_grad_profile_name = "Optimizer.zero_grad#_Pair.zero_grad"
-        self._patch_step_function()
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for child in self.children for g in child.param_groups]
-
-    @property  # type: ignore[override]
-    def state(self) -> dict[Any, Any]:
-        return {k: v for child in self.children for k, v in child.state.items()}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for child in self.children:
-            child.zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None if closure is None else closure()
-        for child in self.children:
-            child.step()
-        return loss
-
-
 def torch_muon_gemms_in_fp32() -> bool:
     """Make ``torch.optim.Muon`` in this process run its Newton–Schulz products as fp32 GEMMs of bf16 operands
     where the CPU has no bf16 matrix instructions; return whether it did.
@@ -203,6 +196,8 @@ def torch_muon_gemms_in_fp32() -> bool:
     where bf16 GEMMs are native, or in a torch without that function. Called by the ``torch-muon-hybrid`` factory in
     the demo's training process (each optimizer trains in its own process) and by ``benchmarks/muon_ablation.py``.
     """
+    import torch
+
     from gefen.math.newton_schulz import bf16_gemm_is_native, newton_schulz
 
     try:
@@ -224,7 +219,10 @@ def torch_muon_gemms_in_fp32() -> bool:
 
 
 def _torch_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     from gefen import split_params_for_muon
+    from gefen.cli._pair import OptimizerPair
 
     torch_muon_gemms_in_fp32()
     muon, backup = split_params_for_muon(model)
@@ -237,7 +235,7 @@ def _torch_muon_hybrid(model: nn.Module, lr: float) -> torch.optim.Optimizer:
         adjust_lr_fn="match_rms_adamw",
     )
     second = torch.optim.AdamW([p for _, p in backup], lr=lr, betas=BETAS, weight_decay=0.0)
-    return _Pair(first, second)
+    return OptimizerPair(first, second)
 
 
 def _adamw_description() -> str:
@@ -292,6 +290,14 @@ def _cpu_step_backend() -> str:
     return f"step backend here: eager (slower; same results), the native one is unavailable: {status.reason}"
 
 
+def warm_up() -> None:
+    """Load what building and stepping any demo optimizer loads: gefen's optimizers and ``torch._dynamo`` (building
+    a ``torch.optim.Optimizer`` imports it), so that a demo process can do it before its training is timed."""
+    import gefen.optim.hybrid  # noqa: F401  (Gefen, GefenMuon and GefenMuonHybrid)
+
+    _fused_adamw_probe()
+
+
 def describe(name: str, lr: float) -> str:
     """Return the one-line description of ``name`` run at peak ``lr``, with run-time facts (fused or not,
     Adafactor's scaled weight decay, the step backend the Gefen optimizers will run here)."""
@@ -299,6 +305,8 @@ def describe(name: str, lr: float) -> str:
         return _adamw_description()
     parts = [OPTIMIZERS[name].description]
     if name in ("gefen-muon-hybrid", "torch-muon-hybrid"):
+        import torch
+
         from gefen.math.newton_schulz import bf16_gemm_is_native
 
         if not bf16_gemm_is_native(torch.device("cpu")):
@@ -322,6 +330,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
         source of truth for its packed state); otherwise ``sum(t.numel() * t.element_size())`` over every
         tensor in ``optimizer.state`` values, including scalar ``step`` tensors. In bytes.
     """
+    import torch
+
     own = getattr(optimizer, "state_bytes", None)
     if callable(own):
         return int(own())

@@ -34,6 +34,12 @@ Reported per optimizer (the JSON keys carry units):
 * ``eval_curve`` / ``train_curve``: ``[[step, loss], ...]``; eval at step 0, every ``--eval-every`` steps
   and at the last step; train at every step (the loss of the batch before that step's update).
 
+The report's ``start_up`` entry times the wait before training: ``seconds`` from the launch to the first
+optimizer's first training step (set-up, imports, corpus, model, process spawn, the step-0 eval), and ``since``,
+what the launch is: ``scripts/demo.sh`` exports :data:`LAUNCH_ENV` (``date +%s.%N``) before its set-up, so a run
+through the script counts from the script's start; otherwise it counts from the start of the ``gefen`` process
+(Linux ``/proc``); ``null`` where neither is known.
+
 A run whose training loss becomes non-finite stops there; its losses are reported as NaN (``null`` in JSON).
 
 The optimizers run one after another, not interleaved: other processes' load during one run slows that run
@@ -74,6 +80,8 @@ _DEFAULT_OPTIMIZERS = "adamw,gefen"
 _BUSY_MARGIN = 0.5
 #: ``[step, loss]`` pairs as ``json.dumps(indent=1)`` spreads them over four lines; folded back onto one.
 _CURVE_POINT = re.compile(r"\[\s+(\d+),\s+([^\s\[\]]+)\s+\]")
+#: Set by ``scripts/demo.sh`` to the Unix time (seconds, ``date +%s.%N``) at which the script started.
+LAUNCH_ENV = "GEFEN_DEMO_LAUNCHED_AT"
 
 
 class _UsageError(Exception):
@@ -263,6 +271,7 @@ def _train_one(job: _Job) -> dict[str, Any]:
     train_step_times: list[float] = []
     diverged_at: int | None = None
     params = list(model.parameters())
+    first_step_unix_s = time.time()  # the wall clock, comparable with the parent's launch time
     start = time.perf_counter()
     bar = tqdm(total=job.steps, desc=f"{job.name:>13}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
     for step in range(1, job.steps + 1):
@@ -307,6 +316,7 @@ def _train_one(job: _Job) -> dict[str, Any]:
         "_diverged_at_step": diverged_at,
         "_train_time_s": train_time_s,
         "_first_opt_step_time_s": opt_step_times[0],
+        "_first_step_unix_s": first_step_unix_s,
         "compile_time_s": float(getattr(optimizer, "compile_time_s", 0.0)),
         "total_time_s": train_time_s,
     }
@@ -341,11 +351,65 @@ def _busy_runs(results: dict[str, dict[str, Any]], cores: int) -> list[str]:
     return lines
 
 
-def _run_in_fresh_process(job: _Job) -> dict[str, Any]:
-    """Run :func:`_train_one` in a new spawned process so its RSS and timings are its own."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_train_one, job).result()
+def _process_start_unix_s() -> float | None:
+    """Unix time (s) at which this process started, from Linux ``/proc`` (10 ms ticks); ``None`` elsewhere.
+
+    ``/proc/self/stat`` field 22 is the start in clock ticks after boot and ``/proc/uptime`` the seconds since
+    boot now, so the start was ``uptime - ticks / SC_CLK_TCK`` seconds ago.
+    """
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        now = time.time()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # fields after "pid (comm)" start at field 3
+        return now - (uptime_s - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _launch() -> tuple[float, str] | None:
+    """The launch the start-up wait counts from: ``(unix time in s, what it is)``, or ``None`` if unknown.
+
+    :data:`LAUNCH_ENV` (exported by ``scripts/demo.sh``) wins when it holds a number no later than now;
+    otherwise the start of this process.
+    """
+    text = os.environ.get(LAUNCH_ENV, "")
+    try:
+        launched = float(text)
+    except ValueError:  # unset, or a date without %N support (macOS prints a literal "N")
+        launched = math.nan
+    if math.isfinite(launched) and 0 < launched <= time.time():
+        return launched, "scripts/demo.sh started"
+    started = _process_start_unix_s()
+    return None if started is None else (started, "the gefen process started")
+
+
+def _warm_up() -> None:
+    """Import what :func:`_train_one` needs, ``torch._dynamo`` included (the first optimizer built loads it)."""
+    import tqdm  # noqa: F401
+
+    import gefen.cli._data
+    import gefen.cli._model  # noqa: F401
+    from gefen.cli._optimizers import warm_up
+
+    warm_up()
+
+
+def _fresh_process() -> concurrent.futures.ProcessPoolExecutor:
+    """A new spawned process (a one-worker pool) that starts its imports now (:func:`_warm_up`).
+
+    Each optimizer trains in its own, so its RSS and timings are its own; started before the parent has the
+    corpus ready, its imports (2-4 s) overlap the parent's work instead of following it.
+    """
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    pool.submit(_warm_up)
+    return pool
+
+
+def _run_in_fresh_process(job: _Job, pool: concurrent.futures.ProcessPoolExecutor | None = None) -> dict[str, Any]:
+    """Run :func:`_train_one` in ``pool`` (from :func:`_fresh_process`; a new one by default), then end it."""
+    with pool or _fresh_process() as owned:
+        return owned.submit(_train_one, job).result()
 
 
 def _format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -501,14 +565,35 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     wall_start = time.perf_counter()
-    from gefen.cli._data import check_fits, load_corpus
-    from gefen.cli._model import build_model
-    from gefen.cli._optimizers import OPTIMIZERS, describe
+    from gefen.cli._optimizers import OPTIMIZERS
 
     known = list(OPTIMIZERS)
     names = _parse_optimizers(args.optimizers, known)
     lr_overrides = _parse_lrs(args.lr, names, known)
     _check_args(args)
+    first_pool = _fresh_process()  # the first optimizer's process imports while the corpus loads
+    try:
+        return _train_all(args, names, lr_overrides, first_pool, wall_start)
+    finally:
+        # Ran its job: already shut down. Else (a bad --data, Ctrl-C) the error shows now; the process ends after
+        # its imports.
+        first_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _train_all(
+    args: argparse.Namespace,
+    names: list[str],
+    lr_overrides: dict[str, float],
+    first_pool: concurrent.futures.ProcessPoolExecutor,
+    wall_start: float,
+) -> int:
+    """Load the corpus, train every optimizer in ``names`` (the first in ``first_pool``) and report."""
+    from gefen.cli._data import check_fits, load_corpus
+    from gefen.cli._model import build_model
+    from gefen.cli._optimizers import OPTIMIZERS, describe
+
+    launch = _launch()
+    start_up: dict[str, Any] | None = None
     try:
         corpus = load_corpus(args.data)
         check_fits(corpus, args.seq_len)
@@ -546,7 +631,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         started, load_before = time.perf_counter(), _load_average()
         try:
-            results[name] = _run_in_fresh_process(job)
+            results[name] = _run_in_fresh_process(job, first_pool if name == names[0] else None)
             results[name].update(_load_before=load_before, _load_after=_load_average())
         except Exception as error:  # the child's exception, re-raised here with its traceback attached
             traceback.print_exception(error, file=sys.stderr)
@@ -558,6 +643,13 @@ def _run(args: argparse.Namespace) -> int:
             f"{results[name]['compile_time_s']:.2f} s compiling)",
             flush=True,
         )
+        if start_up is None and launch is not None:
+            start_up = {"seconds": results[name]["_first_step_unix_s"] - launch[0], "since": launch[1]}
+            print(
+                f"[{name}] its first training step began {start_up['seconds']:.1f} s after {launch[1]} (set-up, "
+                "imports, corpus, model, process spawn, step-0 eval)",
+                flush=True,
+            )
     print()
     print(_format_table(results))
     _print_ratios(results)
@@ -570,6 +662,7 @@ def _run(args: argparse.Namespace) -> int:
             if hasattr(args, key)
         }
         report = _report(args.steps, model_params, data, results, settings)
+        report["start_up"] = start_up
         Path(args.json).write_text(_CURVE_POINT.sub(r"[\1, \2]", json.dumps(report, indent=1)) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
