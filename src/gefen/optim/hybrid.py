@@ -44,7 +44,7 @@ from gefen.optim._base import StepSkip, WorkItem, iter_named_params
 from gefen.optim._capture import check_not_inference
 from gefen.optim._hybrid_groups import HALVES, group_spec, input_groups, place_groups, publish, same_groups
 from gefen.optim._hybrid_report import half_state_bytes, hybrid_state_report
-from gefen.optim._param_input import param_label
+from gefen.optim._param_input import param_label, refuse_duplicates
 from gefen.optim.gefen import Gefen
 from gefen.optim.muon import GefenMuon
 from gefen.optim.routing import (
@@ -501,16 +501,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self._sync()
         index = len(self._groups)
         half, spec = group_spec(param_group, index, named=self._named, substrings=self._backup_substrings, owners={})
-        owned = {id(p): param_label(f"param_groups[{g}]", i, n if self._named else None)
-                 for g, i, p, n in iter_named_params(self._groups)}  # fmt: skip
         where = f"GefenMuonHybrid param_groups[{index}]"
-        for i, item in enumerate(spec["params"]):
-            name, p = item if isinstance(item, tuple) else (None, item)
-            if id(p) in owned:
-                raise ConfigError(
-                    f"{param_label(where, i, name)} is already in this hybrid as {owned[id(p)]}: a parameter belongs "
-                    "to one param group; remove it from one of them."
-                )
+        pairs = [item if isinstance(item, tuple) else (None, item) for item in spec["params"]]
+        labels = [param_label(where, i, name) for i, (name, _) in enumerate(pairs)]
+        refuse_duplicates("hybrid", where, labels, [p for _, p in pairs], self._groups, self._named)
         child = self._halves()[half]
         if child is None:
             child = self._make_child(half, [spec])
