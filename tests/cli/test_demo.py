@@ -220,6 +220,8 @@ def test_demo_runs_gefen(text_dir: Path, tmp_path: Path) -> None:
         (["--lr", "adamw=-1"], r"finite and > 0"),
         (["--steps", "0"], r"--steps=0 must be >= 1"),
         (["--json", "/nonexistent-folder/x.json"], r"does not exist; create it first"),
+        (["--json", "/tmp"], r"'/tmp' is a folder; give a file name"),  # refused before training, not after
+        (["--plot", "curves.txt"], r"give a \.png, \.pdf or \.svg file name"),
     ],
 )
 def test_demo_rejects_bad_arguments(

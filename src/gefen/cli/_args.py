@@ -10,7 +10,10 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["PIP_HINT", "add_model_and_data_arguments", "default_threads", "output_problem"]
+__all__ = ["PIP_HINT", "PLOT_SUFFIXES", "add_model_and_data_arguments", "default_threads", "output_problem"]
+
+#: File types the commands' ``--plot`` writes (matplotlib picks the format from the suffix).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 #: How to install the optional packages of plots and progress bars (named in help texts and errors).
 PIP_HINT = "pip install 'gefen[demo]'"
@@ -66,12 +69,19 @@ def output_problem(command: str, outputs: dict[str, str | None], plot: str | Non
         progress: whether the command shows a tqdm progress bar (tqdm must be installed).
 
     Returns:
-        One sentence naming the flag or package and the fix, or ``None`` when everything is usable.
+        One sentence naming the flag or package and the fix, or ``None`` when everything is usable: a path that
+        is a folder, a missing folder, a plot whose suffix is not one of :data:`PLOT_SUFFIXES`, a missing package.
     """
     for flag, path in outputs.items():
-        folder = Path(path).resolve().parent if path is not None else None
-        if folder is not None and not folder.is_dir():
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            return f"{flag} {path!r} is a folder; give a file name."
+        folder = Path(path).resolve().parent
+        if not folder.is_dir():
             return f"{flag} {path!r}: folder {str(folder)!r} does not exist; create it first."
+    if plot is not None and Path(plot).suffix.lower() not in PLOT_SUFFIXES:
+        return f"--plot {plot!r}: give a {', '.join(PLOT_SUFFIXES[:-1])} or {PLOT_SUFFIXES[-1]} file name."
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         return f"--plot needs matplotlib, which is not installed; run: {PIP_HINT}"
     if progress and importlib.util.find_spec("tqdm") is None:

@@ -419,17 +419,6 @@ def _check_device(device: str) -> None:
             raise _UsageError(f"--device {device}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}.")
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and Path(path).is_dir():
-            raise _UsageError(f"{flag} {path!r} is a folder; give a file name.")
-    if args.plot is not None and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise _UsageError(f"--plot {args.plot!r}: give a .png, .pdf or .svg file name.")
-    problem = output_problem("gefen capacity", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
-    if problem is not None:
-        raise _UsageError(problem)
-
-
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     from gefen.cli._capacity_optimizers import CAPACITY_OPTIMIZERS, available, default_names
 
@@ -466,7 +455,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     if any(b < 2**27 for b in budgets) or len(set(budgets)) != len(budgets):
         raise _UsageError(f"--budget-gib {args.budget_gib}: each budget at least 0.125 GiB, each once.")
     _warn_about_budgets(device, budgets)
-    _check_outputs(args)
+    problem = output_problem("gefen capacity", {"--json": args.json, "--plot": args.plot}, args.plot, progress=True)
+    if problem is not None:
+        raise _UsageError(problem)
     return {
         "optimizers": names,
         "budgets_bytes": budgets,
